@@ -1,0 +1,87 @@
+"""Kernel stage: every kernel in the plan becomes a checked wheel, from the cache when possible.
+
+Compiled kernels: cache hit (zero compilation, whatever else changed) or compile in a
+builder container, check, then publish to the cache. Triton kernels (pure Python) are
+pinned wheels, fetched and hash-checked. After the image is built, the same GPU-free
+checks run again inside it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from build.cache import CacheLayout
+from build.context import KernelWheel
+from build.engine import Engine
+from build.errors import BuildFailure
+from build.kernels.checks import CHECK_SCRIPT, CheckRow, fail_on, kernel_check_config, parse_rows, render_rows
+from build.kernels.compile import compile_kernel
+from build.kernels.store import KernelStore
+from build.log import EventLog
+from build.resolve import BuildPlan
+from build.sources import fetch_pinned
+from verify.lock import BuildLock
+
+
+@dataclass
+class ProvidedKernels:
+    wheels: tuple[KernelWheel, ...] = ()
+    states: dict[str, str] = field(default_factory=dict)   # kernel -> "hit" / "miss (compiled in Ns)" / ...
+
+
+def provide_kernels(plan: BuildPlan, *, cache: CacheLayout, engine: Engine, log: EventLog, builder_base: str) -> ProvidedKernels:
+    provided = ProvidedKernels()
+    store = KernelStore(cache)
+    out: list[KernelWheel] = []
+    for kernel in plan.kernels:
+        if kernel.kind == "triton":
+            for source in kernel.sources:
+                path = fetch_pinned(source, cache, log)
+                out.append(KernelWheel(name=kernel.name, key=kernel.key, filename=source.filename,
+                                       sha256=source.sha256, path=path))
+            provided.states[kernel.name] = "pinned wheels (nothing to compile)"
+            continue
+        with store.lock(kernel.key):
+            entry = store.get(kernel.key)
+            if entry:
+                log.emit("kernels", f"cache hit: {kernel.name} {kernel.version}", key=kernel.key[:16])
+                provided.states[kernel.name] = "hit"
+            else:
+                entry = compile_kernel(kernel, plan, cache=cache, engine=engine, log=log,
+                                       builder_base=builder_base, store=store)
+                provided.states[kernel.name] = f"miss (compiled in {entry.meta['duration_s']:.0f}s)"
+        out.append(KernelWheel(name=kernel.name, key=kernel.key, filename=entry.meta["wheel"],
+                               sha256=entry.sha256, path=entry.wheel, archs=tuple(entry.meta["archs"]["sass"])))
+    provided.wheels = tuple(out)
+    return provided
+
+
+def expected_costs(plan: BuildPlan, cache: CacheLayout) -> dict[str, tuple[str, str]]:
+    """For `--plan`: per kernel key, (cache state, expected compile cost from recorded builds)."""
+    store = KernelStore(cache)
+    states = {}
+    for kernel in plan.kernels:
+        if kernel.kind == "triton":
+            states[kernel.key] = ("n/a", "none (Triton JIT at run time)")
+            continue
+        if store.get(kernel.key):
+            states[kernel.key] = ("hit", "0s (cached)")
+            continue
+        recorded = store.recorded_duration(kernel.name)
+        states[kernel.key] = ("miss", f"~{recorded / 60:.0f} min (recorded build, other inputs)"
+                              if recorded else "unknown (never built here)")
+    return states
+
+
+def check_image(plan: BuildPlan, *, engine: Engine, image: str, log: EventLog, lock: BuildLock) -> list[CheckRow]:
+    """Re-run the GPU-free checks inside the built image, as its runtime user, without network."""
+    config = kernel_check_config(None, plan=plan, check_lock=True)
+    result = engine.run(image, ["-c", CHECK_SCRIPT.read_text(), json.dumps(config)], entrypoint=["python"],
+                        network="none", timeout=900)
+    rows = parse_rows(result.output)
+    if rows is None:
+        raise BuildFailure(f"the in-image check did not run (exit {result.exit_code}):\n{result.output[-1500:]}",
+                           "the image's python or torch is broken; see the output above")
+    log.emit("check", f"in-image checks for {image}:\n{render_rows(rows)}")
+    fail_on(rows, f"image {image} failed its GPU-free checks")
+    return rows

@@ -1,0 +1,100 @@
+"""`python -m build images/<name>` end to end: plan -> bases -> wheelhouse -> kernels -> context -> image."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from build import kernels as kernel_stage
+from build.bootstrap import ensure_base
+from build.cache import CacheLayout, atomic_write_bytes
+from build.context import render_context
+from build.engine import Engine
+from build.log import EventLog, PhaseTimer
+from build.resolve import BuildPlan
+from build.wheelhouse import fill_wheelhouse
+
+CONTEXT_LABEL = "io.ftimage.context.sha256"
+LOCK_LABEL = "io.ftimage.lock.sha256"
+BASE_ID_LABEL = "io.ftimage.base.id"
+
+
+@dataclass
+class BuildReport:
+    image: str
+    tag: str
+    image_id: str = ""
+    size_bytes: int = 0
+    plan_key: str = ""
+    lock_sha256: str = ""
+    context_sha256: str = ""
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    cache: dict[str, Any] = field(default_factory=dict)
+    steps: list[tuple[str, float]] = field(default_factory=list)
+    total_seconds: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    def render(self) -> str:
+        lines = [f"built {self.tag}  ({self.image_id[:19]}, {self.size_bytes / 2 ** 30:.2f} GiB)",
+                 f"plan {self.plan_key[:16]}  lock sha256 {self.lock_sha256[:16]}  context {self.context_sha256[:16]}",
+                 "", f"{'PHASE':<12} {'SECONDS':>8}"]
+        lines += [f"{phase:<12} {secs:>8.1f}" for phase, secs in self.phase_seconds.items()]
+        lines += [f"{'total':<12} {self.total_seconds:>8.1f}", "", "CACHE"]
+        for what, state in self.cache.items():
+            lines.append(f"  {what:<30} {state}")
+        return "\n".join(lines)
+
+
+def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: EventLog,
+                engine: Engine | None = None) -> BuildReport:
+    started = time.monotonic()
+    timer = PhaseTimer(log)
+    report = BuildReport(image=plan.spec.name, tag=plan.tag, plan_key=plan.plan_key)
+    with timer("engine"):
+        engine = engine or Engine.connect()
+    with timer("bases"):
+        bases = {stage: ensure_base(ref, engine, cache, log)
+                 for stage, ref in (("builder", plan.spec.builder_base), ("runtime", plan.spec.runtime_base))}
+        for stage, base in bases.items():
+            report.cache[f"base:{stage}"] = "hit" if base.reused else "miss (bootstrapped)"
+    with timer("wheelhouse"):
+        resolution = fill_wheelhouse(plan, cache, log)
+        report.cache["wheelhouse"] = f"{'hit' if resolution.cache_hit else 'miss'} ({len(resolution.wheels)} wheels)"
+    with timer("kernels"):
+        provided = kernel_stage.provide_kernels(plan, cache=cache, engine=engine, log=log,
+                                                builder_base=bases["builder"].ref)
+        for name, state in provided.states.items():
+            report.cache[f"kernel:{name}"] = state
+    with timer("render"):
+        context = render_context(plan, out_dir / "context", wheels=resolution.wheels, cache=cache,
+                                 kernel_wheels=provided.wheels,
+                                 base_refs={s: b.ref for s, b in bases.items()},
+                                 base_ids={s: b.id for s, b in bases.items()})
+        report.lock_sha256 = context.lock.sha256()
+        report.context_sha256 = context.digest
+        for name in ("build.lock.json", "sbom.cdx.json"):
+            atomic_write_bytes(out_dir / name, (context.directory / name).read_bytes())
+    with timer("image"):
+        existing = engine.image(plan.tag)
+        labels = (existing or {}).get("Config", {}).get("Labels") or {}
+        if existing and labels.get(CONTEXT_LABEL) == context.digest:
+            log.emit("engine", f"image cache hit: {plan.tag} was built from this exact context")
+            report.cache["image"] = "hit"
+            report.image_id, report.size_bytes = existing["Id"], int(existing.get("Size", 0))
+        else:
+            report.cache["image"] = "miss"
+            built = engine.build(context.directory, plan.tag, log=log, labels={
+                CONTEXT_LABEL: context.digest, LOCK_LABEL: report.lock_sha256,
+                BASE_ID_LABEL: bases["runtime"].id})
+            report.image_id, report.size_bytes = built.id, built.size_bytes
+            report.steps = [(step[:80], round(secs, 2)) for step, secs in built.step_seconds]
+    with timer("check"):
+        kernel_stage.check_image(plan, engine=engine, image=plan.tag, log=log, lock=context.lock)
+    report.phase_seconds = {k: round(v, 2) for k, v in timer.seconds.items()}
+    report.total_seconds = round(time.monotonic() - started, 2)
+    atomic_write_bytes(out_dir / "build-report.json", report.to_json().encode())
+    return report

@@ -1,0 +1,159 @@
+"""Resolve an image's Python dependencies once, on the host, into a content-addressed wheelhouse.
+
+The full closure (requirements + the toolchain's exact torch wheel) is resolved with
+`pip download` for the image's Python and platform, every file is hashed and stored under
+its sha256, and the resolution itself is cached. Inside the image pip then installs with
+`--no-index --require-hashes` from exactly these files, with networking disabled.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+
+from build.cache import CacheLayout, atomic_copy, atomic_write_bytes, sha256_file, sweep_leftovers
+from build.errors import BuildFailure
+from build.log import EventLog
+from build.resolve import BuildPlan, digest
+
+# glibc of the bootstrapped Debian bookworm bases is 2.36: accept manylinux tags up to it.
+_GLIBC_MAX_MINOR = 36
+
+
+@dataclass(frozen=True, kw_only=True)
+class Wheel:
+    name: str          # canonical distribution name
+    version: str
+    filename: str
+    sha256: str
+
+    def requirement_line(self) -> str:
+        return f"{self.name}=={self.version} --hash=sha256:{self.sha256}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resolution:
+    key: str
+    wheels: tuple[Wheel, ...]
+    cache_hit: bool
+
+
+def platform_tags(platform: str) -> list[str]:
+    arch = platform.removeprefix("linux_")
+    tags = [f"manylinux_2_{minor}_{arch}" for minor in range(_GLIBC_MAX_MINOR, 16, -1)]
+    return tags + [f"manylinux2014_{arch}", f"linux_{arch}"]
+
+
+def fill_wheelhouse(plan: BuildPlan, cache: CacheLayout, log: EventLog) -> Resolution:
+    """The image's pinned closure (its requirements plus the toolchain's torch)."""
+    return resolve_closure(plan.python_requirements, plan=plan, cache=cache, log=log, purpose="image")
+
+
+def resolve_closure(requirements: tuple[str, ...], *, plan: BuildPlan, cache: CacheLayout, log: EventLog,
+                    purpose: str) -> Resolution:
+    """Resolve requirements + the pinned torch for the plan's Python and platform, downloading
+    only on a resolution-cache miss. Every returned wheel is in the cache and re-verified."""
+    key = digest({"requirements": sorted(requirements),
+                  "torch": {"version": plan.toolchain.torch_version, "sha256": plan.torch_wheel.sha256},
+                  "python": plan.toolchain.python, "platform": plan.spec.platform, "schema": 1})
+    record = cache.resolutions / f"{key}.json"
+    sweep_leftovers(cache.wheels)
+    if record.is_file():
+        wheels = _read_resolution(record)
+        if wheels is not None:
+            verify_cached_wheels(wheels, cache)
+            log.emit("wheelhouse", f"{purpose}: resolution cache hit, {len(wheels)} wheels", key=key[:12])
+            return Resolution(key=key, wheels=wheels, cache_hit=True)
+    log.emit("wheelhouse", f"{purpose}: resolving and downloading the Python closure with pip", key=key[:12])
+    wheels = _download(requirements, plan, cache, log)
+    atomic_write_bytes(record, (json.dumps([w.__dict__ for w in wheels], indent=1, sort_keys=True) + "\n").encode())
+    return Resolution(key=key, wheels=wheels, cache_hit=False)
+
+
+def verify_cached_wheels(wheels: tuple[Wheel, ...], cache: CacheLayout) -> None:
+    """Re-hash every cached wheel; a corrupt one is evicted and named, never used."""
+    for wheel in wheels:
+        path = cache.wheel_path(wheel.sha256, wheel.filename)
+        if not path.is_file():
+            raise BuildFailure(f"cached wheel {wheel.filename} is missing from {path.parent}",
+                               f"delete {cache.resolutions} entries or re-run after `rm -r {cache.root}`")
+        actual = sha256_file(path)
+        if actual != wheel.sha256:
+            shutil.rmtree(path.parent, ignore_errors=True)  # evict: the next run re-downloads it
+            raise BuildFailure(
+                f"cached wheel {path} is corrupt or tampered: sha256 {actual} != locked {wheel.sha256}. "
+                "It was removed from the cache",
+                "re-run the build: the wheel is fetched again and checked against the same hash")
+
+
+def _read_resolution(record: Path) -> tuple[Wheel, ...] | None:
+    try:
+        return tuple(Wheel(**w) for w in json.loads(record.read_text()))
+    except (OSError, ValueError, TypeError):
+        record.unlink(missing_ok=True)  # unreadable record: resolve again rather than fail
+        return None
+
+
+def _download(requirements: tuple[str, ...], plan: BuildPlan, cache: CacheLayout,
+              log: EventLog) -> tuple[Wheel, ...]:
+    cache.scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".tmp-dl-", dir=cache.scratch) as tmp:
+        tmpdir = Path(tmp)
+        reqs = tmpdir / "requirements.in"
+        reqs.write_text("\n".join([f"torch=={plan.toolchain.torch_version}", *requirements]) + "\n")
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
+               "--dest", str(tmpdir / "dl"), "--only-binary=:all:", "--implementation", "cp",
+               "--python-version", plan.toolchain.python, "--abi", "cp" + plan.toolchain.python.replace(".", ""),
+               "-r", str(reqs)]
+        for tag in platform_tags(plan.spec.platform):
+            cmd += ["--platform", tag]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PIP_NO_INPUT": "1"})
+        if proc.returncode != 0:
+            detail = "\n".join(line for line in proc.stderr.splitlines() if "is ignored" not in line)[-2000:]
+            raise BuildFailure(f"pip could not resolve the image's Python requirements:\n{detail}",
+                               "check python.requirements in image.yaml against what your index serves")
+        wheels = []
+        for path in sorted((tmpdir / "dl").iterdir()):
+            wheels.append(_store(path, cache))
+    _check_torch_pin(plan, wheels)
+    log.emit("wheelhouse", f"stored {len(wheels)} wheels", total_mb=round(sum(
+        cache.wheel_path(w.sha256, w.filename).stat().st_size for w in wheels) / 2 ** 20))
+    return tuple(sorted(wheels, key=lambda w: w.name))
+
+
+def _store(path: Path, cache: CacheLayout) -> Wheel:
+    try:
+        name, version, _, _ = parse_wheel_filename(path.name)
+    except InvalidWheelFilename:
+        raise BuildFailure(f"pip returned a non-wheel file {path.name}",
+                           "every dependency must be available as a wheel for the image's platform") from None
+    sha = sha256_file(path)
+    dest = cache.wheel_path(sha, path.name)
+    if not dest.is_file():
+        atomic_copy(path, dest)
+    return Wheel(name=str(canonicalize_name(name)), version=str(version), filename=path.name, sha256=sha)
+
+
+def _check_torch_pin(plan: BuildPlan, wheels: list[Wheel]) -> None:
+    for wheel in wheels:
+        if wheel.name == "torch":
+            if wheel.sha256 != plan.torch_wheel.sha256:
+                raise BuildFailure(
+                    f"pip served torch as {wheel.filename} with sha256 {wheel.sha256}, but toolchain "
+                    f"{plan.toolchain.name} pins {plan.torch_wheel.filename} sha256 {plan.torch_wheel.sha256}",
+                    "point pip at the index that serves the pinned torch wheel (e.g. --find-links), "
+                    "or re-pin the toolchain after checking the new file")
+            return
+    raise BuildFailure("pip resolved no torch wheel", "check the toolchain's torch version")
+
+
+def requirements_lock(wheels: tuple[Wheel, ...]) -> str:
+    return "".join(w.requirement_line() + "\n" for w in sorted(wheels, key=lambda w: w.name))
+
