@@ -253,6 +253,8 @@ def _load_kernel(f: Fields, name: str, body: Any) -> Kernel | None:
     other = f.str_list(entry, "other", f"{where}.entry_points", required=False) if entry else ()
     replaces = f.str_list(body, "replaces", where)
     runtime_requires = f.str_list(body, "runtime_requires", where, required=False)
+    for i, req in enumerate(runtime_requires):
+        _check_pinned_requirement(f, req, f"{where}.runtime_requires[{i}]")
     build_requires = f.str_list(body, "build_requires", where, required=False)
     memory_per_job = f.get(body, "memory_per_job_gb", where, (int, float), required=False, default=4.0)
     if isinstance(memory_per_job, bool) or not 0.25 <= float(memory_per_job) <= 256:
