@@ -54,6 +54,3 @@ class Problems:
     def raise_if_any(self) -> None:
         if self.items:
             raise SpecErrors(list(self.items))
-
-    def __bool__(self) -> bool:
-        return bool(self.items)

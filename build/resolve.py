@@ -101,8 +101,9 @@ def base_descriptor(base: BaseRef) -> dict[str, Any]:
     return {"image": base.image, "digest": base.digest}
 
 
-def resolve(spec: ImageSpec, manifest: Manifest) -> BuildPlan:
-    problems = Problems()
+def resolve(spec: ImageSpec, manifest: Manifest, problems: Problems | None = None) -> BuildPlan:
+    """Raise SpecErrors with every problem found (including any the caller already collected)."""
+    problems = Problems() if problems is None else problems
     spec_file = display_path(spec.directory / "image.yaml")
     toolchain = manifest.toolchains.get(spec.toolchain)
     if toolchain is None:
@@ -120,18 +121,19 @@ def resolve(spec: ImageSpec, manifest: Manifest) -> BuildPlan:
     if spec.attn_implementation == "flash_attention_2" and "flash-attn" not in spec.kernels:
         problems.add(spec_file, "runtime.attn_implementation", "flash_attention_2 needs the flash-attn kernel",
                      "add flash-attn to kernels, or use sdpa", "attn-needs-kernel")
-    kernel_plans = []
-    for i, name in enumerate(dict.fromkeys(spec.kernels)):
+    kernels = []
+    for i, name in enumerate(spec.kernels):
         kernel = manifest.kernels.get(name)
         if kernel is None:
             problems.add(spec_file, f"kernels[{i}]", f"unknown kernel {name!r}",
                          f"use one of: {', '.join(sorted(manifest.kernels))}, or add it to kernels_manifest.yaml",
                          "unknown-kernel")
-            continue
-        if _check_kernel(problems, spec_file, f"kernels[{i}]", kernel, spec, toolchain) and torch_wheel:
-            kernel_plans.append(_plan_kernel(kernel, spec, toolchain, torch_wheel))
-    requirements = _merge_requirements(problems, spec_file, spec, kernel_plans)
+        elif kernel not in kernels:
+            _check_kernel(problems, spec_file, f"kernels[{i}]", kernel, spec, toolchain)
+            kernels.append(kernel)
+    requirements = _merge_requirements(problems, spec_file, spec, kernels)
     problems.raise_if_any()
+    kernel_plans = [_plan_kernel(kernel, spec, toolchain, torch_wheel) for kernel in kernels]
 
     body = {
         "schema": PLAN_SCHEMA,
@@ -160,8 +162,9 @@ def load_plan(image_dir: Path, manifest_path: Path = MANIFEST_PATH) -> BuildPlan
     problems = Problems()
     manifest = load_manifest(manifest_path, problems)
     spec = load_image_spec(image_dir, problems)
-    problems.raise_if_any()
-    return resolve(spec, manifest)
+    if spec is None:
+        problems.raise_if_any()
+    return resolve(spec, manifest, problems)
 
 
 def _check_toolchain(problems: Problems, spec_file: str, toolchain: Toolchain) -> None:
@@ -211,13 +214,12 @@ def _check_archs(problems: Problems, spec_file: str, spec: ImageSpec, toolchain:
 
 
 def _check_kernel(problems: Problems, spec_file: str, where: str, kernel: Kernel, spec: ImageSpec,
-                  toolchain: Toolchain) -> bool:
-    before = len(problems.items)
+                  toolchain: Toolchain) -> None:
     c = kernel.constraints
     if toolchain.is_cpu:
         problems.add(spec_file, where, f"kernel {kernel.name} needs CUDA; toolchain {toolchain.name} is CPU-only",
                      "remove the kernel, or pick a CUDA toolchain", "kernel-cpu")
-        return False
+        return
     checks = [("python", toolchain.python, c.python), ("torch", toolchain.torch_version, c.torch),
               ("cuda", toolchain.cuda, c.cuda)]
     for what, have, allowed in checks:
@@ -240,7 +242,6 @@ def _check_kernel(problems: Problems, spec_file: str, where: str, kernel: Kernel
             problems.add("kernels_manifest.yaml", f"kernels.{kernel.name}.patches", f"patch {patch.path} has sha256 "
                          f"{actual[:16]}..., the manifest pins {patch.sha256[:16]}...",
                          "restore the patch file, or re-pin its sha256 after reviewing the change", "bad-sha256")
-    return len(problems.items) == before
 
 
 def _applicable_patches(kernel: Kernel, toolchain: Toolchain) -> tuple[SourcePatch, ...]:
@@ -279,7 +280,7 @@ def _plan_kernel(kernel: Kernel, spec: ImageSpec, toolchain: Toolchain, torch_wh
 
 
 def _merge_requirements(problems: Problems, spec_file: str, spec: ImageSpec,
-                        kernels: list[KernelPlan]) -> tuple[str, ...]:
+                        kernels: list[Kernel]) -> tuple[str, ...]:
     seen: dict[str, str] = {}
     for i, req in enumerate(spec.python_requirements):
         name = Requirement(req).name.lower().replace("_", "-")

@@ -113,7 +113,7 @@ class Manifest:
 
 def load_manifest(path: Path = MANIFEST_PATH, problems: Problems | None = None) -> Manifest:
     own = problems is None
-    problems = problems or Problems()
+    problems = Problems() if problems is None else problems
     data = load_yaml(path, problems, "kernels manifest")
     f = Fields(display_path(path), problems)
     toolchains: dict[str, Toolchain] = {}
@@ -436,7 +436,7 @@ class ImageSpec:
 
 def load_image_spec(directory: Path, problems: Problems | None = None) -> ImageSpec | None:
     own = problems is None
-    problems = problems or Problems()
+    problems = Problems() if problems is None else problems
     directory = Path(directory)
     spec_file = directory / "image.yaml" if directory.is_dir() or not directory.suffix else directory
     directory = spec_file.parent
@@ -529,10 +529,13 @@ def _load_image(f: Fields, data: dict, directory: Path) -> ImageSpec | None:
                 loaded = {}
             if isinstance(loaded, dict):
                 defaults = {**loaded, **defaults}
-    if None in (name, toolchain, builder, runtime, user, model_family):
-        if not runtime_body:
-            f.fail("runtime", "required field is missing", "add runtime: {user: trainer, uid: 10001}", "missing-field")
+    if not runtime_body:
+        f.fail("runtime", "required field is missing", "add runtime: {user: trainer, uid: 10001}", "missing-field")
+    if None in (name, toolchain, builder, runtime, model_family):
         return None
+    # An invalid user is already recorded as a problem; keep going so resolution can report
+    # its own problems in the same run (the plan is never used while problems exist).
+    user = user or RuntimeUser(name="invalid", uid=0)
     return ImageSpec(name=name, directory=directory, description=description, toolchain=toolchain,
                      platform=platform, builder_base=builder, runtime_base=runtime, target_archs=archs,
                      kernels=kernels, python_requirements=requirements, user=user, labels=labels,
