@@ -2,7 +2,7 @@
 
 Every entry appears whole or not at all: content is written to a temporary name in the
 same directory, fsynced, then renamed into place, so a killed build leaves at most a
-`.tmp-*` leftover that is never read (and is swept on the next run).
+`.tmp-*` leftover that is never read.
 """
 from __future__ import annotations
 
@@ -130,13 +130,3 @@ def link_or_copy(src: Path, dest: Path) -> None:
     except OSError:
         shutil.copyfile(src, dest)
 
-
-def sweep_leftovers(directory: Path) -> None:
-    """Remove `.tmp-*` files and directories a killed run left behind."""
-    if not directory.is_dir():
-        return
-    for leftover in directory.rglob(".tmp-*"):
-        if leftover.is_dir():
-            shutil.rmtree(leftover, ignore_errors=True)
-        else:
-            leftover.unlink(missing_ok=True)

@@ -26,10 +26,13 @@ EPILOG = """\
 commands:
   IMAGE_DIR                     build images/<name> (bootstrap bases if needed, fill the wheelhouse,
                                 compile or reuse kernels, render, build, check, tag <name>:<plan-key>)
+  IMAGE_DIR --kernels-only      only compile/check the plan's kernels into the cache
   bootstrap-base BASE_DIR       debootstrap + docker import a base from images/_bases/<base>/base.yaml
   kernels list                  list the kernel wheel cache
   kernels export DIR            copy every cache entry to DIR (for another machine)
   kernels import DIR            import entries from DIR, verifying each wheel's sha256
+  kernels check WHEEL --image TAG --kernel NAME
+                                import a kernel wheel beside that image's torch (ABI + entry points)
 
 environment:
   FTIMAGE_CACHE                 cache root (default ~/.cache/ftimage)
@@ -48,6 +51,9 @@ def _image_parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--plan", action="store_true", help="print the resolved build plan and exit")
     mode.add_argument("--render", metavar="DIR", type=Path, help="write the build context to DIR and exit")
+    mode.add_argument("--kernels-only", action="store_true",
+                      help="compile (or find in the cache) and check the plan's kernels, build no image; "
+                           "e.g. on a big builder machine before `kernels export`")
     p.add_argument("--json", action="store_true", help="with --plan or a build: print JSON instead of a table")
     p.add_argument("--json-logs", action="store_true", help="progress as JSON lines on stderr")
     p.add_argument("--manifest", type=Path, default=None, help="kernels manifest (default: ./kernels_manifest.yaml)")
@@ -104,10 +110,47 @@ def _image(argv: list[str]) -> int:
         print(f"rendered {context.files} files into {args.render} (context sha256 {context.digest[:16]})")
         print("note: compiled kernel wheels are added by a full build; bases are named, not bootstrapped")
         return EXIT_OK
+    if args.kernels_only:
+        return _kernels_only(plan, cache, log, as_json=args.json)
     from build.pipeline import build_image
     out_dir = args.out or Path("out") / plan.spec.name
     report = build_image(plan, cache=cache, out_dir=out_dir, log=log)
     print(report.to_json() if args.json else report.render(), end="\n")
+    return EXIT_OK
+
+
+def _kernels_only(plan, cache: CacheLayout, log: EventLog, *, as_json: bool) -> int:
+    from build.bootstrap import ensure_base
+    from build.engine import Engine
+    from build.kernels import provide_kernels
+    from build.plan_view import table
+
+    engine = Engine.connect()
+    base = ensure_base(plan.spec.builder_base, engine, cache, log)
+    provided = provide_kernels(plan, cache=cache, engine=engine, log=log, builder_base=base.ref)
+    rows = [{"kernel": w.name, "key": w.key, "wheel": w.filename, "sha256": w.sha256, "archs": list(w.archs),
+             "cache": provided.states[w.name]} for w in provided.wheels]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(table([[r["kernel"], r["key"][:16], r["wheel"], ",".join(r["archs"]) or "-", r["cache"]] for r in rows],
+                    ["KERNEL", "KEY", "WHEEL", "SASS", "CACHE"]))
+    return EXIT_OK
+
+
+def _kernels_check(args) -> int:
+    from build.engine import Engine
+    from build.kernels import check_wheel_in_image
+    from build.spec import MANIFEST_PATH, load_manifest
+
+    manifest = load_manifest(args.manifest or MANIFEST_PATH)
+    kernel = manifest.kernels.get(args.kernel)
+    if kernel is None:
+        raise BuildFailure(f"unknown kernel {args.kernel!r}", f"use one of: {', '.join(sorted(manifest.kernels))}")
+    if not args.wheel.is_file():
+        raise BuildFailure(f"no wheel at {args.wheel}", "pass the path of a kernel wheel (see `kernels list`)")
+    rows = check_wheel_in_image(args.wheel, kernel, engine=Engine.connect(), image=args.image, log=EventLog())
+    print(f"{len(rows)} checks passed")
     return EXIT_OK
 
 
@@ -138,7 +181,15 @@ def _kernels(argv: list[str]) -> int:
     sub.add_parser("list", help="list cache entries")
     sub.add_parser("export", help="copy entries to DIR").add_argument("directory", type=Path)
     sub.add_parser("import", help="import entries from DIR, verifying hashes").add_argument("directory", type=Path)
+    check = sub.add_parser("check", help="run the import/ABI and entry-point checks of a kernel wheel inside an "
+                                         "image (beside that image's torch)")
+    check.add_argument("wheel", type=Path)
+    check.add_argument("--image", required=True, help="image tag whose torch the wheel must load against")
+    check.add_argument("--kernel", required=True, help="kernel name in the manifest (for its entry points)")
+    check.add_argument("--manifest", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.action == "check":
+        return _kernels_check(args)
     from build.kernels.store import KernelStore
 
     store = KernelStore(_cache(args.cache))

@@ -94,10 +94,16 @@ def make_lock(plan: BuildPlan, wheels: tuple[Wheel, ...], kernel_wheels: tuple[K
                      finetune_defaults=plan.spec.finetune_defaults)
 
 
-def render_dockerfile(plan: BuildPlan, base_refs: dict[str, str], epoch: int) -> str:
+def render_template(name: str, **variables) -> str:
+    """Render build/templates/<name>; StrictUndefined makes a missing variable an error, not empty text."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True, autoescape=False)
-    return env.get_template("Dockerfile.j2").render(
+    return env.get_template(name).render(**variables)
+
+
+def render_dockerfile(plan: BuildPlan, base_refs: dict[str, str], epoch: int) -> str:
+    return render_template(
+        "Dockerfile.j2",
         image=plan.spec.name, plan_key=plan.plan_key, builder_base=base_refs["builder"],
         runtime_base=base_refs["runtime"], source_date_epoch=epoch, venv=VENV, app_dir=APP_DIR,
         etc_dir=str(LOCK_PATH.parent), user=plan.spec.user.name, uid=plan.spec.user.uid,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
-from build.cache import CacheLayout, atomic_copy, atomic_write_bytes, sha256_file, sweep_leftovers
+from build.cache import CacheLayout, atomic_copy, atomic_write_bytes, sha256_file
 from build.errors import BuildFailure
 from build.log import EventLog
 from build.resolve import BuildPlan, digest
@@ -64,7 +64,6 @@ def resolve_closure(requirements: tuple[str, ...], *, plan: BuildPlan, cache: Ca
                   "torch": {"version": plan.toolchain.torch_version, "sha256": plan.torch_wheel.sha256},
                   "python": plan.toolchain.python, "platform": plan.spec.platform, "schema": 1})
     record = cache.resolutions / f"{key}.json"
-    sweep_leftovers(cache.wheels)
     if record.is_file():
         wheels = _read_resolution(record)
         if wheels is not None:

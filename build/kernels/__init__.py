@@ -14,7 +14,8 @@ from build.cache import CacheLayout
 from build.context import KernelWheel
 from build.engine import Engine
 from build.errors import BuildFailure
-from build.kernels.checks import CHECK_SCRIPT, CheckRow, fail_on, kernel_check_config, parse_rows, render_rows
+from build.kernels.checks import (CHECK_SCRIPT, CheckRow, fail_on, kernel_check_config, kernel_config, parse_rows,
+                                  render_rows)
 from build.kernels.compile import compile_kernel
 from build.kernels.store import KernelStore
 from build.log import EventLog
@@ -84,4 +85,36 @@ def check_image(plan: BuildPlan, *, engine: Engine, image: str, log: EventLog, l
                            "the image's python or torch is broken; see the output above")
     log.emit("check", f"in-image checks for {image}:\n{render_rows(rows)}")
     fail_on(rows, f"image {image} failed its GPU-free checks")
+    return rows
+
+
+def check_wheel_in_image(wheel, kernel, *, engine: Engine, image: str, log: EventLog) -> list[CheckRow]:
+    """Import a kernel wheel beside another image's torch (the ABI check on demand): the wheel is
+    unpacked onto PYTHONPATH inside the image, and the same in-container checks run."""
+    import tempfile
+    import zipfile
+    from pathlib import Path
+
+    info = engine.image(image)
+    if info is None:
+        raise BuildFailure(f"image {image} not found", "build it first, or pass an image tag that exists")
+    labels = info["Config"].get("Labels") or {}
+    with tempfile.TemporaryDirectory(prefix="ftimage-wheelcheck-") as tmp:
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extractall(tmp)
+        Path(tmp).chmod(0o755)
+        for path in Path(tmp).rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        config = {"plan_key": labels.get("io.ftimage.plan-key", ""), "check_lock": False,
+                  "torch": "", "cuda": "", "cxx11_abi": None, "skip_torch": True,
+                  "kernels": [kernel_config(kernel)]}
+        result = engine.run(image, ["-c", CHECK_SCRIPT.read_text(), json.dumps(config)], entrypoint=["python"],
+                            network="none", timeout=600, volumes={tmp: {"bind": "/opt/wheelcheck", "mode": "ro"}},
+                            environment={"PYTHONPATH": "/opt/wheelcheck"})
+    rows = parse_rows(result.output)
+    if rows is None:
+        raise BuildFailure(f"the check did not run in {image} (exit {result.exit_code}):\n{result.output[-1500:]}",
+                           "the image's python is broken; see the output above")
+    log.emit("check", f"{Path(wheel).name} in {image}:\n{render_rows(rows)}")
+    fail_on(rows, f"{Path(wheel).name} is not sound beside {image}'s torch")
     return rows

@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from build.kernels.checks import (CHECK_SCRIPT, CheckRow, arch_rows, fail_on, ke
                                   render_rows, version_rows)
 from build.kernels.store import KernelEntry, KernelStore
 from build.log import EventLog
-from build.resolve import BuildPlan, KernelPlan
+from build.context import render_template
+from build.resolve import BuildPlan, KernelPlan, digest
 from build.sources import fetch_pinned
 from build.spec import REPO_ROOT
 from build.wheelhouse import requirements_lock, resolve_closure
@@ -48,19 +50,20 @@ def compile_kernel(kernel: KernelPlan, plan: BuildPlan, *, cache: CacheLayout, e
     sdist = fetch_pinned(kernel.sources[0], cache, log)
     closure = resolve_closure(tuple(plan.toolchain.cuda_pip_toolchain) + kernel.build_requires, plan=plan,
                               cache=cache, log=log, purpose=f"builder for {kernel.name}")
+    builder_image = ensure_builder_image(closure, plan, builder_base=builder_base, cache=cache, engine=engine,
+                                         log=log)
     staging = store.staging(kernel.key)
     inputs, out = staging / "in", staging / "out"
     try:
-        _stage_inputs(inputs, kernel, plan, closure.wheels, cache, sdist)
+        _stage_inputs(inputs, kernel, plan, sdist)
         out.mkdir()
         out.chmod(0o777)
         jobs = parallel_jobs(kernel.memory_per_job_gb)
-        env = {**kernel.build_env, "SDIST": sdist.name, "CUDA_PIP_DIR": f"cu{plan.toolchain.cuda.split('.')[0]}",
-               "MAX_JOBS": str(jobs), "NVCC_THREADS": "1"}
+        env = {**kernel.build_env, "SDIST": sdist.name, "MAX_JOBS": str(jobs), "NVCC_THREADS": "1"}
         log.emit("kernels", f"compiling {kernel.name} {kernel.version} for {','.join(kernel.archs)} in "
-                 f"{builder_base}", key=kernel.key[:16], max_jobs=jobs)
+                 f"{builder_image}", key=kernel.key[:16], max_jobs=jobs)
         started = time.monotonic()
-        result = engine.run(builder_base, ["bash", "/in/compile_in_builder.sh"], network="none",
+        result = engine.run(builder_image, ["bash", "/in/compile_in_builder.sh"], network="none",
                             volumes={str(inputs): {"bind": "/in", "mode": "ro"},
                                      str(out): {"bind": "/out", "mode": "rw"},
                                      CCACHE_VOLUME: {"bind": "/ccache", "mode": "rw"}},
@@ -99,13 +102,31 @@ def compile_kernel(kernel: KernelPlan, plan: BuildPlan, *, cache: CacheLayout, e
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _stage_inputs(inputs: Path, kernel: KernelPlan, plan: BuildPlan, wheels, cache: CacheLayout,
-                  sdist: Path) -> None:
-    (inputs / "wheels").mkdir(parents=True)
-    for wheel in wheels:
-        link_or_copy(cache.wheel_path(wheel.sha256, wheel.filename), inputs / "wheels" / wheel.filename)
-    (inputs / "requirements.txt").write_text(requirements_lock(wheels))
-    (inputs / "src").mkdir()
+def ensure_builder_image(closure, plan: BuildPlan, *, builder_base: str, cache: CacheLayout, engine: Engine,
+                         log: EventLog) -> str:
+    """The builder image for one closure (torch + CUDA toolchain + build deps), built once and
+    reused: every compile after the first skips a multi-GB install."""
+    tag = f"ftimage-builder/{plan.toolchain.name}:{digest([builder_base, closure.key])[:12]}"
+    if engine.image(tag):
+        return tag
+    log.emit("kernels", f"building the kernel builder image {tag} ({len(closure.wheels)} wheels)")
+    context = Path(tempfile.mkdtemp(prefix=".tmp-builder-", dir=cache.scratch))
+    try:
+        (context / "wheels").mkdir()
+        for wheel in closure.wheels:
+            link_or_copy(cache.wheel_path(wheel.sha256, wheel.filename), context / "wheels" / wheel.filename)
+        (context / "wheels" / "requirements.txt").write_text(requirements_lock(closure.wheels))
+        (context / "Dockerfile").write_text(render_template(
+            "Dockerfile.builder.j2", builder_base=builder_base, venv="/opt/builder/venv",
+            cuda_pip_dir=f"cu{plan.toolchain.cuda.split('.')[0]}", closure_key=closure.key))
+        engine.build(context, tag, labels={}, log=log)
+    finally:
+        shutil.rmtree(context, ignore_errors=True)
+    return tag
+
+
+def _stage_inputs(inputs: Path, kernel: KernelPlan, plan: BuildPlan, sdist: Path) -> None:
+    (inputs / "src").mkdir(parents=True)
     link_or_copy(sdist, inputs / "src" / sdist.name)
     (inputs / "patches").mkdir()
     for i, patch in enumerate(kernel.patches):

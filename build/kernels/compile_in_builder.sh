@@ -1,27 +1,13 @@
 #!/usr/bin/env bash
-# Runs INSIDE the builder container, with networking disabled.
-#   /in   (read-only): wheels/ + requirements.txt (pinned torch + CUDA toolchain + build deps,
-#         hash-locked), src/<sdist>, patches/*.patch, check.py, check.json
-#   /out  (read-write): dist/<wheel>, observed.json, checks.txt
+# Runs INSIDE the kernel builder image (build/templates/Dockerfile.builder.j2), with
+# networking disabled. The image already holds the pinned torch and CUDA toolchain.
+#   /in   (read-only): src/<sdist>, patches/*.patch, check.py, check.json
+#   /out  (read-write): dist/<wheel>, observed.json
 #   /ccache: a named volume, so a rebuild after a killed compile reuses finished objects
-# Env: SDIST, CUDA_PIP_DIR (e.g. cu13), MAX_JOBS, NVCC_THREADS, plus the kernel's build_env
-# (its FORCE_BUILD knob and its arch knob).
+# Env: SDIST, MAX_JOBS, NVCC_THREADS, plus the kernel's build_env (its FORCE_BUILD knob
+# and its arch knob).
 set -euo pipefail
 export HOME=/tmp PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
-
-echo "ftimage: installing the pinned torch and CUDA toolchain (hash-checked, offline)"
-python3 -m venv /tmp/venv
-/tmp/venv/bin/python -m pip install --quiet --no-index --no-deps --require-hashes --no-cache-dir \
-    --find-links /in/wheels -r /in/requirements.txt
-
-# NVIDIA's pip wheels unpack into site-packages/nvidia/cu<major>; torch's cpp_extension
-# wants a classic CUDA_HOME layout: lib64 and an unversioned libcudart.so (without it the
-# link fails with "cannot find -lcudart").
-site=$(/tmp/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-export CUDA_HOME="$site/nvidia/$CUDA_PIP_DIR"
-[ -e "$CUDA_HOME/lib64" ] || ln -s lib "$CUDA_HOME/lib64"
-[ -e "$CUDA_HOME/lib/libcudart.so" ] || ln -s "$(cd "$CUDA_HOME/lib" && ls libcudart.so.* | head -n1)" "$CUDA_HOME/lib/libcudart.so"
-export PATH="$CUDA_HOME/bin:/tmp/venv/bin:$PATH"
 nvcc --version | tail -n 2
 
 mkdir -p /tmp/src
@@ -41,7 +27,7 @@ python -m pip wheel --no-index --no-deps --no-build-isolation --no-cache-dir --w
 echo "ftimage: compiled in $(( $(date +%s) - start ))s"
 
 # Record what the wheel was really built with, for the version checks on the host.
-python - <<'EOF' > /out/observed.json
+python - <<'PY' > /out/observed.json
 import json, re, subprocess, torch
 nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout
 release = re.search(r"release (\d+\.\d+)", nvcc)
@@ -49,9 +35,10 @@ gcc = subprocess.run(["gcc", "-dumpversion"], capture_output=True, text=True).st
 print(json.dumps({"torch": torch.__version__, "torch_cuda": torch.version.cuda,
                   "nvcc": release.group(1) if release else "?", "compiler": f"gcc-{gcc.split('.')[0]}",
                   "compiler_version": gcc}))
-EOF
+PY
 
-# Import/ABI and entry-point checks against the pinned torch, before the wheel may enter the cache.
-python -m pip install --quiet --no-index --no-deps --no-cache-dir /out/dist/*.whl
+# Import/ABI and entry-point checks against the pinned torch, before the wheel may enter
+# the cache. Installed into a throwaway target so the builder image stays unchanged.
+python -m pip install --quiet --no-index --no-deps --no-cache-dir --target /tmp/checked /out/dist/*.whl
 cd /tmp
-python /in/check.py "$(cat /in/check.json)" | tee /out/checks.txt
+PYTHONPATH=/tmp/checked python /in/check.py "$(cat /in/check.json)"

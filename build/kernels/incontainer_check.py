@@ -164,7 +164,8 @@ def main(cfg):
     rows = []
     if cfg.get("check_lock", True):
         check_lock(cfg, rows)
-    check_torch(cfg, rows)
+    if not cfg.get("skip_torch"):
+        check_torch(cfg, rows)
     for kernel in cfg.get("kernels", []):
         if kernel["kind"] == "cuda-extension":
             check_extension(kernel, rows)

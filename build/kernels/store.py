@@ -19,7 +19,7 @@ from typing import Any
 
 from filelock import FileLock
 
-from build.cache import CacheLayout, atomic_publish_dir, sha256_file, sweep_leftovers
+from build.cache import CacheLayout, atomic_publish_dir, sha256_file
 from build.errors import BuildFailure
 
 META = "meta.json"
@@ -70,7 +70,10 @@ class KernelStore:
                 if (e := self.get(d.name))]
 
     def staging(self, key: str) -> Path:
-        sweep_leftovers(self.root)
+        """A fresh staging dir. The caller holds this key's lock, so an older staging dir of the
+        same key is a killed build's leftover; other keys' dirs may belong to live builds."""
+        for leftover in self.root.glob(f".tmp-{key[:16]}-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
         return Path(tempfile.mkdtemp(prefix=f".tmp-{key[:16]}-", dir=self.root))
 
     def publish(self, key: str, staging: Path, meta: dict[str, Any]) -> KernelEntry:

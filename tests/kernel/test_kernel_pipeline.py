@@ -1,0 +1,234 @@
+"""Kernel tier: real nvcc compiles in a builder container, real GPU-free checks, real cache safety.
+
+causal-conv1d is compiled once per session for sm_90 (images/kernel-smoke, ~10 min on 2
+cores) and reused; failure paths use tests/kernel/testkernel, a tiny real CUDA extension.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from build.cache import CacheLayout, default_cache_root, sha256_file
+from build.kernels.store import KernelStore
+from build.resolve import load_plan
+from build.spec import REPO_ROOT
+from tests.conftest import run_build_cli
+
+pytestmark = pytest.mark.kernel
+TESTKERNEL = Path(__file__).resolve().parent / "testkernel"
+
+
+@pytest.fixture(scope="session")
+def kernel_smoke(engine, tmp_path_factory):
+    """`python -m build images/kernel-smoke --json`, twice: the second run must compile nothing."""
+    out = tmp_path_factory.mktemp("kernel-smoke")
+    first = run_build_cli("images/kernel-smoke", "--json", "--out", str(out), timeout=5400)
+    assert first.returncode == 0, first.stderr[-5000:]
+    second = run_build_cli("images/kernel-smoke", "--json", "--out", str(out), timeout=1800)
+    assert second.returncode == 0, second.stderr[-5000:]
+    return {"first": json.loads(first.stdout), "second": json.loads(second.stdout), "out": out,
+            "log": first.stderr}
+
+
+def _kernel_entry(plan_dir: Path, name: str):
+    plan = load_plan(plan_dir)
+    kernel = next(k for k in plan.kernels if k.name == name)
+    return kernel, KernelStore(CacheLayout(default_cache_root())).get(kernel.key)
+
+
+def test_kernel_smoke_compiles_checks_and_caches(kernel_smoke):
+    first, second = kernel_smoke["first"], kernel_smoke["second"]
+    assert first["cache"]["kernel:causal-conv1d"].startswith(("miss (compiled", "hit"))
+    kernel, entry = _kernel_entry(REPO_ROOT / "images" / "kernel-smoke", "causal-conv1d")
+    assert entry is not None, "the compiled wheel must be in the cache"
+    assert entry.meta["archs"]["sass"] == ["sm_90"]          # patched gencodes: sm_90 only
+    assert entry.meta["observed"]["torch"] == "2.14.1"
+    assert entry.meta["observed"]["nvcc"] == "13.0"
+    assert entry.meta["inputs"] == kernel.key_inputs
+    lock = json.loads((kernel_smoke["out"] / "build.lock.json").read_text())
+    locked = next(k for k in lock["kernels"] if k["name"] == "causal-conv1d")
+    assert locked["sha256"] == entry.sha256 and locked["key"] == kernel.key
+    sbom = json.loads((kernel_smoke["out"] / "sbom.cdx.json").read_text())
+    assert any(c["name"] == "causal-conv1d" and c["hashes"][0]["content"] == entry.sha256
+               for c in sbom["components"])
+    # Second run: zero compilation, and the image itself is reused.
+    assert second["cache"]["kernel:causal-conv1d"] == "hit"
+    assert second["cache"]["image"] == "hit"
+    assert second["image_id"] == first["image_id"]
+
+
+def test_plan_shows_recorded_compile_cost_and_cache_state(kernel_smoke):
+    proc = run_build_cli("images/kernel-smoke", "--plan")
+    assert proc.returncode == 0
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("causal-conv1d"))
+    assert " hit " in row and "0s (cached)" in row
+    proc = run_build_cli("images/qwen27b", "--plan")
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("causal-conv1d"))
+    assert " miss " in row and "recorded build" in row   # other archs: a miss, with a measured estimate
+
+
+def test_image_reruns_checks_inside(engine, kernel_smoke):
+    tag = kernel_smoke["first"]["tag"]
+    result = engine.run(tag, ["-c", "import causal_conv1d_cuda as m; print(sorted(n for n in dir(m) "
+                              "if n.startswith('causal')))"], entrypoint=["python"], timeout=300)
+    assert result.exit_code == 0, result.output
+    assert "causal_conv1d_bwd" in result.output and "causal_conv1d_fwd" in result.output
+    assert engine.run(tag, ["id", "-u"], timeout=60).output.strip() == "10001"
+
+
+def test_abi_mismatch_is_caught_and_named(kernel_smoke, smoke_image):
+    """The causal-conv1d wheel built against torch 2.14.1+cu130, imported beside the smoke
+    image's torch 2.13.0+cpu: the import/ABI check fails and names what is missing."""
+    _, entry = _kernel_entry(REPO_ROOT / "images" / "kernel-smoke", "causal-conv1d")
+    proc = run_build_cli("kernels", "check", str(entry.wheel), "--image", smoke_image, "--kernel", "causal-conv1d")
+    assert proc.returncode == 1
+    assert "import/ABI" in proc.stderr and "FAIL" in proc.stderr
+    assert "undefined symbol" in proc.stderr or "cannot open shared object file" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_the_same_wheel_passes_beside_its_own_torch(kernel_smoke):
+    _, entry = _kernel_entry(REPO_ROOT / "images" / "kernel-smoke", "causal-conv1d")
+    proc = run_build_cli("kernels", "check", str(entry.wheel), "--image", kernel_smoke["first"]["tag"],
+                         "--kernel", "causal-conv1d")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_missing_manifest_entry_point_fails(kernel_smoke, tmp_path):
+    manifest = yaml.safe_load((REPO_ROOT / "kernels_manifest.yaml").read_text())
+    manifest["kernels"]["causal-conv1d"]["entry_points"]["backward"] = ["causal_conv1d_bwd", "causal_conv1d_bwd_v9"]
+    (tmp_path / "kernels_manifest.yaml").write_text(yaml.safe_dump(manifest))
+    _, entry = _kernel_entry(REPO_ROOT / "images" / "kernel-smoke", "causal-conv1d")
+    proc = run_build_cli("kernels", "check", str(entry.wheel), "--image", kernel_smoke["first"]["tag"],
+                         "--kernel", "causal-conv1d", "--manifest", str(tmp_path / "kernels_manifest.yaml"))
+    assert proc.returncode == 1
+    assert "missing: causal_conv1d_bwd_v9" in proc.stderr
+
+
+def test_export_import_verifies_hashes(kernel_smoke, tmp_path):
+    export = tmp_path / "export"
+    assert run_build_cli("kernels", "export", str(export)).returncode == 0
+    _, entry = _kernel_entry(REPO_ROOT / "images" / "kernel-smoke", "causal-conv1d")
+    assert (export / entry.key / entry.meta["wheel"]).is_file()
+    fresh = tmp_path / "fresh-cache"
+    proc = run_build_cli("kernels", "--cache", str(fresh), "import", str(export))
+    assert proc.returncode == 0, proc.stderr
+    assert KernelStore(CacheLayout(fresh)).get(entry.key).sha256 == entry.sha256
+    # A tampered export is rejected and never enters the cache.
+    wheel = export / entry.key / entry.meta["wheel"]
+    with open(wheel, "r+b") as fh:
+        fh.seek(100)
+        fh.write(b"\0tampered\0")
+    other = tmp_path / "other-cache"
+    proc = run_build_cli("kernels", "--cache", str(other), "import", str(export))
+    assert proc.returncode == 1
+    assert f"rejected {entry.key}" in proc.stderr
+    assert KernelStore(CacheLayout(other)).get(entry.key) is None
+
+
+# ---- failure paths with the tiny test kernel ----------------------------------------
+
+def _testkernel_workspace(tmp: Path, *, version: str, hardcoded_arch: str | None = None) -> Path:
+    """An image + manifest that build tests/kernel/testkernel; its sdist is pre-staged in the cache
+    (the manifest's URL is never fetched)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    top = f"ftimage_testkernel-{version}"
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for path in sorted(TESTKERNEL.iterdir()):
+            data = path.read_bytes()
+            if path.name == "setup.py":
+                data = data.replace(b'version="0.1.0"', f'version="{version}"'.encode())
+                if hardcoded_arch:
+                    data = data.replace(b"HARDCODED_ARCH = None", f'HARDCODED_ARCH = "{hardcoded_arch}"'.encode())
+            info = tarfile.TarInfo(f"{top}/{path.name}")
+            info.size, info.mtime = len(data), 0
+            tar.addfile(info, io.BytesIO(data))
+    sdist = tmp / f"{top}.tar.gz"
+    sdist.write_bytes(buffer.getvalue())
+    sha = sha256_file(sdist)
+    cache = CacheLayout(default_cache_root())
+    staged = cache.source_path(sha, sdist.name)
+    staged.parent.mkdir(parents=True, exist_ok=True)
+    staged.write_bytes(sdist.read_bytes())
+    manifest = yaml.safe_load((REPO_ROOT / "kernels_manifest.yaml").read_text())
+    manifest["kernels"]["ftimage-testkernel"] = {
+        "version": version, "kind": "cuda-extension", "import_name": "ftimage_testkernel_cuda",
+        "extension_module": "ftimage_testkernel_cuda",
+        "source": {"sdist": {"url": f"https://example.invalid/{sdist.name}", "filename": sdist.name, "sha256": sha}},
+        "build_env": {}, "arch_knob": {"env": "TESTKERNEL_CUDA_ARCHS", "format": "{major}{minor}", "separator": ";"},
+        "build_requires": manifest["kernels"]["causal-conv1d"]["build_requires"], "memory_per_job_gb": 2,
+        "constraints": {"python": ">=3.9", "cuda": ">=12.0", "archs": ["sm_80", "sm_90", "sm_100"]},
+        "entry_points": {"forward": ["scale_fwd"], "backward": ["scale_bwd"]}, "replaces": []}
+    (tmp / "kernels_manifest.yaml").write_text(yaml.safe_dump(manifest))
+    image = yaml.safe_load((REPO_ROOT / "images" / "kernel-smoke" / "image.yaml").read_text())
+    image.update(name="testkernel", kernels=["ftimage-testkernel"])
+    (tmp / "images" / "testkernel").mkdir(parents=True)
+    (tmp / "images" / "testkernel" / "image.yaml").write_text(yaml.safe_dump(image))
+    return tmp
+
+
+def _key(ws: Path) -> str:
+    return load_plan(ws / "images" / "testkernel", ws / "kernels_manifest.yaml").kernels[0].key
+
+
+def test_requested_arch_missing_from_the_so_fails_and_caches_nothing(kernel_smoke, tmp_path):
+    ws = _testkernel_workspace(tmp_path / "ws", version="0.1.1", hardcoded_arch="80")
+    key = _key(ws)
+    proc = run_build_cli(str(ws / "images" / "testkernel"), "--kernels-only", "--manifest",
+                         str(ws / "kernels_manifest.yaml"), timeout=1800)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "arch coverage (SASS)" in proc.stderr and "did not emit sm_90" in proc.stderr
+    assert "sm_80" in proc.stderr  # reported as what the wheel really holds
+    assert "NOT cached" in proc.stderr
+    assert KernelStore(CacheLayout(default_cache_root())).get(key) is None
+
+
+def test_kill_mid_compile_leaves_no_entry_and_next_run_compiles_cleanly(engine, kernel_smoke, tmp_path):
+    ws = _testkernel_workspace(tmp_path / "ws", version=f"0.2.{int(time.time())}")
+    key = _key(ws)
+    store = KernelStore(CacheLayout(default_cache_root()))
+    args = [sys.executable, "-m", "build", str(ws / "images" / "testkernel"), "--kernels-only", "--manifest",
+            str(ws / "kernels_manifest.yaml")]
+    proc = subprocess.Popen(args, cwd=REPO_ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 900
+    for line in proc.stderr:
+        if "compiling ftimage-testkernel" in line:
+            break
+        assert time.monotonic() < deadline
+    time.sleep(8)  # inside nvcc/g++ by now
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert store.get(key) is None
+    assert not (store.root / key).exists(), "a killed build must not leave a visible entry"
+    rerun = run_build_cli(str(ws / "images" / "testkernel"), "--kernels-only", "--json", "--manifest",
+                          str(ws / "kernels_manifest.yaml"), timeout=1800)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert json.loads(rerun.stdout)[0]["cache"].startswith("miss (compiled")
+    entry = store.get(key)
+    assert entry is not None and entry.meta["archs"]["sass"] == ["sm_90"]
+    assert not engine.client.containers.list(all=True, filters={"label": f"io.ftimage.kernel-build={key}"})
+
+
+def test_sdist_sha256_mismatch_is_refused(tmp_path):
+    manifest = yaml.safe_load((REPO_ROOT / "kernels_manifest.yaml").read_text())
+    manifest["kernels"]["causal-conv1d"]["source"]["sdist"]["sha256"] = "0" * 63 + "1"
+    (tmp_path / "kernels_manifest.yaml").write_text(yaml.safe_dump(manifest))
+    cache = tmp_path / "cache"
+    proc = run_build_cli("images/kernel-smoke", "--kernels-only", "--manifest", str(tmp_path / "kernels_manifest.yaml"),
+                         env={"FTIMAGE_CACHE": str(cache)}, timeout=600)
+    assert proc.returncode == 1
+    assert "causal_conv1d-1.7.0.tar.gz" in proc.stderr and "corrupt or tampered" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list((cache / "sources").rglob("*.tar.gz")), "a mismatching download must not be kept"
