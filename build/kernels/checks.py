@@ -68,7 +68,8 @@ def version_rows(name: str, observed: dict[str, str], plan) -> list[CheckRow]:
              ("nvcc", observed.get("nvcc", "?"), tc.cuda),
              ("compiler", observed.get("compiler", "?"), tc.compiler)]
     for what, have, want in pairs:
-        ok = have == want or (what == "compiler" and have.startswith(want))
+        ok = have == want or (what == "compiler" and have.startswith(want)) or \
+            (what == "torch" and "+" not in want and have.split("+")[0] == want)  # torch.__version__ adds +cu130
         rows.append(CheckRow(name, f"version: {what}", "PASS" if ok else "FAIL", f"built with {have}, lock {want}",
                              "" if ok else "the builder does not match the toolchain; fix the builder base or pins"))
     return rows

@@ -120,3 +120,13 @@ def test_render_cli_writes_a_context(tmp_path, monkeypatch, run_cli):
     assert (tmp_path / "ctx" / "Dockerfile").is_file()
     assert (tmp_path / "ctx" / "build.lock.json").is_file()
     assert any((tmp_path / "ctx" / "wheelhouse").glob("torch-2.13.0*.whl"))
+
+
+def test_builder_dockerfile_passes_hadolint(tmp_path):
+    from build.context import render_template
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text(render_template("Dockerfile.builder.j2", builder_base="ftimage-base/b:1",
+                                          venv="/opt/builder/venv", cuda_pip_dir="cu13", closure_key="0" * 64))
+    proc = subprocess.run([shutil.which("hadolint"), "--failure-threshold", "error", str(dockerfile)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout

@@ -1,0 +1,49 @@
+"""Checkpoint validity rules and the packing-aware FLOP count (no processes)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from entrypoint.checkpoint import TRAINER_STATE, is_complete, list_checkpoints
+
+pytestmark = pytest.mark.unit
+
+
+def _complete(path, world=2):
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"x")
+    for r in range(world):
+        (path / f"rng-rank{r}.pt").write_bytes(b"x")
+    (path / TRAINER_STATE).write_text(json.dumps({"step": 1}))
+
+
+def test_only_complete_step_dirs_count(tmp_path):
+    _complete(tmp_path / "step-00000010")
+    _complete(tmp_path / "step-00000002")
+    _complete(tmp_path / ".tmp-step-00000012")          # complete contents, but not committed
+    (tmp_path / "step-00000011").mkdir()                  # torn: no metadata / trainer state
+    (tmp_path / "step-00000011" / ".metadata").write_bytes(b"x")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000002", "step-00000010"]
+    assert not is_complete(tmp_path / ".tmp-step-00000012")
+    assert not is_complete(tmp_path / "step-00000010", world_size=3)  # a rank's RNG is missing
+    assert list_checkpoints(tmp_path / "absent") == []
+
+
+def test_flops_count_attention_per_document(fixture_dir):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from entrypoint.metrics import flop_model
+
+    config = AutoConfig.from_pretrained(str(fixture_dir.model_dir))
+    model = AutoModelForCausalLM.from_config(config)
+    fm = flop_model(model, config)
+    n_full = config.layer_types.count("full_attention")
+    assert fm.attn_per_sq_token == pytest.approx(n_full * 2 * config.num_attention_heads * config.head_dim)
+    assert fm.gdn_per_token > 0
+    embed = config.vocab_size * config.hidden_size
+    matmul = sum(p.numel() for p in model.parameters() if p.dim() >= 2) - embed
+    assert fm.dense_per_token == 2 * matmul
+    # two packed documents of 100 tokens cost less attention than one row of 200
+    assert fm.train_flops(200, 100**2 + 100**2) < fm.train_flops(200, 200**2)
+    assert fm.train_flops(200, 2 * 100**2) - fm.train_flops(200, 0) == pytest.approx(3 * fm.attn_per_sq_token * 2e4)

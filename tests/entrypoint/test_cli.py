@@ -1,0 +1,186 @@
+"""CLI dispatch, info, config errors, the verify gate and launch topology (no training)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+import pytest
+
+from entrypoint.config import ConfigError, FinetuneConfig, build_config
+from entrypoint.launch import LaunchError, resolve_topology, worker_env
+
+from entrypoint.testing import entrypoint_env, run_entrypoint
+
+pytestmark = pytest.mark.unit
+
+
+def test_other_argv_is_execd_as_a_plain_command():
+    r = run_entrypoint(["id", "-u"])
+    assert r.returncode == 0 and r.stdout.strip() == str(os.getuid())
+    r = run_entrypoint(["sh", "-c", "exit 7"])
+    assert r.returncode == 7  # the command's own exit code, not ours
+
+
+def test_unknown_command_says_what_to_do():
+    r = run_entrypoint(["no-such-program-xyz"])
+    assert r.returncode == 127
+    assert "command not found: no-such-program-xyz" in r.stderr and "finetune" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_shell_runs_a_shell():
+    r = run_entrypoint(["shell", "-c", "echo $0"])
+    assert r.returncode == 0 and r.stdout.strip().endswith(("bash", "sh"))
+
+
+def _lock(tmp_path):
+    from verify.lock import BuildLock, LockedKernel
+
+    kernel = LockedKernel(name="causal-conv1d", version="1.7.0", kind="cuda-extension", import_name="causal_conv1d",
+                          key="ab" * 32, wheel="causal_conv1d-1.7.0-cp311-linux_x86_64.whl", sha256="cd" * 32,
+                          archs=("sm_90",))
+    lock = BuildLock(image="qwen-test", plan_key="ef" * 32, python="3.11", torch="2.13.0+cu130", cuda="13.0",
+                     cxx11_abi=True, compiler="gcc-12", transformers="5.18.0", model_family="qwen3_5_text",
+                     target_archs=("sm_90",), attn_implementation="flash_attention_2", kernels=(kernel,),
+                     finetune_defaults={"packing": {"budget": 4096}, "train.lr": 1e-4})
+    path = tmp_path / "build.lock.json"
+    path.write_text(lock.to_json())
+    return lock, path
+
+
+def test_info_summarizes_the_lock_and_json_is_raw(tmp_path):
+    lock, path = _lock(tmp_path)
+    env = entrypoint_env(FTIMAGE_LOCK=str(path))
+    r = run_entrypoint(["info"], env=env)
+    assert r.returncode == 0, r.stderr
+    for text in ("qwen-test", "efefefefefefefef", "2.13.0+cu130", "13.0", "5.18.0", "sm_90", "causal-conv1d",
+                 "key abababababab", "packages       0"):
+        assert text in r.stdout
+    r = run_entrypoint(["info", "--json"], env=env)
+    assert json.loads(r.stdout) == json.loads(lock.to_json())
+
+
+def test_info_without_lock_fails_with_fix():
+    r = run_entrypoint(["info"])
+    assert r.returncode == 1 and "no build lock" in r.stderr and "FTIMAGE_LOCK" in r.stderr
+
+
+def test_lock_defaults_seed_the_config_below_yaml_and_overrides(tmp_path, monkeypatch):
+    from entrypoint.finetune import lock_layer, resolve_config
+
+    _, path = _lock(tmp_path)
+    monkeypatch.setenv("FTIMAGE_LOCK", str(path))
+    defaults, summary = lock_layer(lambda msg: None)
+    assert summary["image"] == "qwen-test"
+    yaml_path = tmp_path / "c.yaml"
+    yaml_path.write_text("model: {path: m}\ndata: {path: d, max_length: 1024}\ntrain: {lr: 0.5}\n")
+    cfg = resolve_config(str(yaml_path), ["train.max_steps=7", "output.profile_steps=5:8"], defaults)
+    assert cfg.packing.budget == 4096          # from the lock
+    assert cfg.train.lr == 0.5                 # YAML beats the lock
+    assert cfg.train.max_steps == 7            # CLI beats both
+    assert cfg.output.profile_steps == "5:8"   # stays text (YAML would read 5:8 as 308)
+
+
+def test_config_errors_are_collected_with_fixes():
+    with pytest.raises(ConfigError) as err:
+        build_config([{"model": {"path": "m"}, "data": {"path": "d", "max_lenght": 5},
+                       "train": {"max_steps": "many"}, "packing": {"mode": "zigzag"}, "bogus": {}}])
+    text = str(err.value)
+    assert "data.max_lenght: unknown key" in text and "did you mean `data.max_length`" in text
+    assert "train.max_steps: expected int" in text
+    assert "packing.mode: 'zigzag' is not one of packed, padded" in text
+    assert "bogus: unknown key" in text
+    assert len(err.value.problems) == 4
+
+
+def test_finetune_bad_config_is_a_message_not_a_traceback(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {path: m}\ndata: {path: d}\ntrain: {lr: -1, warmup: 3}\n")
+    r = run_entrypoint(["finetune", "--config", str(cfg)])
+    assert r.returncode == 2
+    assert "train.warmup: unknown key" in r.stderr and "did you mean `train.warmup_steps`" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = run_entrypoint(["finetune", "--config", str(tmp_path / "missing.yaml")])
+    assert r.returncode == 2 and "config file not found" in r.stderr
+
+
+def test_finetune_missing_data_names_the_fix(fixture_dir, tmp_path):
+    r = run_entrypoint(["finetune", "--config", str(fixture_dir.config), "data.path=/nope.jsonl",
+                        f"output.dir={tmp_path}"])
+    assert r.returncode == 2 and "/nope.jsonl does not exist" in r.stderr and "data.path" in r.stderr
+
+
+def test_gate_fails_closed_without_allow_fallback(fixture_dir, tmp_path):
+    # No lock in this environment: verify's lock row FAILs, so finetune must refuse.
+    r = run_entrypoint(["finetune", "--config", str(fixture_dir.config), f"output.dir={tmp_path}"])
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "verify did not pass" in r.stderr and "--allow-fallback" in r.stderr
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_allow_fallback_switches_to_padded_and_is_recorded(fixture_dir, tmp_path):
+    r = run_entrypoint(["finetune", "--config", str(fixture_dir.config), f"output.dir={tmp_path}", "--dry-run"],
+                       env=entrypoint_env(FTIMAGE_ALLOW_FALLBACK="1"))
+    assert r.returncode == 0, r.stderr
+    plan = json.loads((tmp_path / ".launch" / "plan-node0.json").read_text())
+    assert plan["allow_fallback"] is True
+    assert plan["packing"]["requested"] == "packed" and plan["packing"]["effective"] == "padded"
+    assert plan["config"]["packing"]["mode"] == "padded"
+    assert plan["verify"]["passed"] is False
+    argv = json.loads(r.stdout)["argv"]
+    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    assert "--rdzv-backend" in argv and argv[argv.index("--rdzv-backend") + 1] == "static"
+    assert argv[argv.index("--master-addr") + 1] == "127.0.0.1"
+
+
+def _cfg(**launch) -> FinetuneConfig:
+    cfg = FinetuneConfig()
+    cfg.launch = replace(cfg.launch, **launch)
+    cfg.model.path = "/nonexistent-model"
+    return cfg
+
+
+def test_topology_single_node_static_on_loopback():
+    topo = resolve_topology(_cfg(nproc_per_node=2), {})
+    args = topo.torchrun_args()
+    assert topo.nnodes == 1 and args[args.index("--master-addr") + 1] == "127.0.0.1"
+    assert args[args.index("--rdzv-backend") + 1] == "static" and topo.master_port > 0
+
+
+def test_topology_multi_node_from_standard_env():
+    env = {"NNODES": "4", "NODE_RANK": "2", "MASTER_ADDR": "head", "MASTER_PORT": "23456"}
+    args = resolve_topology(_cfg(nproc_per_node=8), env).torchrun_args()
+    assert args == ["--nnodes", "4", "--nproc-per-node", "8", "--rdzv-backend", "static", "--node-rank", "2",
+                    "--master-addr", "head", "--master-port", "23456"]
+    pet = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "m", "PET_MASTER_PORT": "1"}
+    assert resolve_topology(_cfg(nproc_per_node=1), pet).node_rank == 1
+    slurm = {"SLURM_NNODES": "3", "SLURM_NODEID": "0", "MASTER_ADDR": "n1"}
+    assert resolve_topology(_cfg(nproc_per_node=1), slurm).master_port == 29500
+
+
+def test_topology_c10d_and_missing_env():
+    env = {"NNODES": "2", "RDZV_ENDPOINT": "head:29400", "RDZV_ID": "job7"}
+    args = resolve_topology(_cfg(nproc_per_node=1), env).torchrun_args()
+    assert args[-6:] == ["--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29400", "--rdzv-id", "job7"]
+    with pytest.raises(LaunchError, match="NODE_RANK"):
+        resolve_topology(_cfg(nproc_per_node=1), {"NNODES": "2", "MASTER_ADDR": "x"})
+
+
+def test_unwritable_home_moves_caches_under_output(tmp_path):
+    # `docker run -u 1234` gives HOME=/ or a path that does not exist; either way unwritable.
+    # (chmod would not bind when the tests run as root.)
+    cfg = _cfg(nproc_per_node=1)
+    cfg.output.dir = str(tmp_path / "out")
+    for home in ("/nonexistent-home", ""):
+        env = worker_env(cfg, resolve_topology(cfg, {}), {"HOME": home})
+        assert env["HOME"].startswith(cfg.output.dir) and env["HF_HOME"].startswith(cfg.output.dir)
+
+
+def test_caches_default_under_output_dir(tmp_path):
+    cfg = _cfg(nproc_per_node=1)
+    cfg.output.dir = str(tmp_path / "out")
+    env = worker_env(cfg, resolve_topology(cfg, {}), {"HOME": str(tmp_path)})
+    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME"):
+        assert env[name].startswith(cfg.output.dir)
+    assert env["HOME"] == str(tmp_path)

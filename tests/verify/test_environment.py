@@ -1,0 +1,122 @@
+import base64
+import hashlib
+import importlib.metadata
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from verify.checks import environment as env
+from verify.context import Context
+from verify.lock import LockedKernel, LockedPackage
+from verify.report import Status
+
+pytestmark = pytest.mark.unit
+
+
+def test_no_cuda_device_fails_with_a_fix():
+    row = env.decide_cuda_device(False, 0)
+    assert row.status is Status.FAIL and row.detail == "no CUDA device"
+    assert "--gpus all" in row.fix
+
+
+def test_arch_must_be_in_the_lock():
+    assert env.decide_arch((9, 0), ("sm_90",)).status is Status.PASS
+    row = env.decide_arch((10, 3), ("sm_90", "sm_100"))
+    assert row.status is Status.FAIL and "sm_103" in row.detail and "sm_103" in row.fix
+
+
+@pytest.mark.parametrize("driver, lock_cuda, status", [
+    (13000, "13.0", Status.PASS), (13020, "13.0", Status.PASS), (12080, "13.0", Status.FAIL),
+    (None, "13.0", Status.FAIL), (13000, "cpu", Status.FAIL),
+])
+def test_driver_must_support_the_lock_cuda(driver, lock_cuda, status):
+    assert env.decide_driver(driver, lock_cuda).status is status
+
+
+def test_versions_compare_against_the_lock(env_lock):
+    lock = replace(env_lock, torch="2.99.0", cuda="cpu")
+    rows = {r.check: r for r in env.decide_versions(lock, "3.11.7", "2.13.0+cpu", None, lock.transformers)}
+    assert rows["environment.torch"].status is Status.FAIL and "2.99.0" in rows["environment.torch"].detail
+    assert rows["environment.torch_cuda"].status is Status.PASS
+    assert rows["environment.transformers"].status is Status.PASS
+    assert rows["environment.python"].status is (Status.PASS if lock.python == "3.11" else Status.FAIL)
+
+
+def _fake_dist(tmp_path: Path, content: bytes = b"print('hi')\n"):
+    """A real on-disk distribution with a RECORD, as pip leaves it."""
+    (tmp_path / "fakepkg").mkdir()
+    (tmp_path / "fakepkg" / "__init__.py").write_bytes(content)
+    info = tmp_path / "fakepkg-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakepkg\nVersion: 1.0\n")
+    digest = base64.urlsafe_b64encode(hashlib.sha256(content).digest()).rstrip(b"=").decode()
+    (info / "RECORD").write_text(f"fakepkg/__init__.py,sha256={digest},{len(content)}\n"
+                                 "fakepkg-1.0.dist-info/RECORD,,\n")
+    return importlib.metadata.PathDistribution(info)
+
+
+def test_record_hashes_catch_a_modified_file(tmp_path):
+    dist = _fake_dist(tmp_path)
+    assert env._record_mismatches(dist, deep=True) == (1, 0, [])
+    (tmp_path / "fakepkg" / "__init__.py").write_text("print('patched')\n")
+    hashed, _, bad = env._record_mismatches(dist, deep=True)
+    assert bad == ["fakepkg/__init__.py"]
+    row = env.decide_installed("package", "fakepkg", "1.0", "1.0", hashed, 0, bad)
+    assert row.status is Status.FAIL and "differ from the wheel's RECORD" in row.detail
+
+
+def test_installed_package_matches_lock_by_version_and_record():
+    have = importlib.metadata.version("pytest")
+    rows = env.check_installed([LockedPackage(name="pytest", version=have, filename="", sha256="")], deep=False)
+    assert rows[0].status is Status.PASS and "match RECORD" in rows[0].detail
+    rows = env.check_installed([LockedPackage(name="pytest", version="0.0.1", filename="", sha256="")], deep=False)
+    assert rows[0].status is Status.FAIL and "the lock says 0.0.1" in rows[0].detail
+
+
+def test_locked_kernel_that_is_not_installed_fails():
+    kernel = LockedKernel(name="causal-conv1d", version="1.7.0", kind="cuda-extension", import_name="causal_conv1d",
+                          key="k", wheel="causal_conv1d-1.7.0.whl", sha256="a" * 64)
+    row = env.check_installed([kernel], deep=False)[0]
+    assert row.status is Status.FAIL and "not installed" in row.detail
+    no_sha = replace(kernel, sha256="")
+    assert "no wheel sha256" in env.check_installed([no_sha], deep=False)[0].detail
+
+
+def test_triton_runtime_needs(tmp_path):
+    assert env.decide_triton_runtime(False, None, tmp_path / "Python.h", tmp_path, False).status is Status.SKIP
+    (tmp_path / "Python.h").write_text("")
+    ok = env.decide_triton_runtime(True, "/usr/bin/gcc", tmp_path / "Python.h", tmp_path, True)
+    assert ok.status is Status.PASS
+    bad = env.decide_triton_runtime(True, None, tmp_path / "missing.h", tmp_path, False)
+    assert bad.status is Status.FAIL
+    assert "no C compiler" in bad.detail and "missing.h" in bad.detail and "not writable" in bad.detail
+
+
+def test_cache_dir_writability_is_measured(tmp_path):
+    assert env._writable(tmp_path / "cache")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert not env._writable(blocker / "cache")
+
+
+def test_environment_check_on_this_cpu_machine(env_lock):
+    from verify.families import load_family
+
+    ctx = Context(lock=env_lock, device="cpu", family=load_family("qwen3_5_text"))
+    rows = {r.check: r for r in env.run(ctx)}
+    assert rows["environment.cuda_device"].status is Status.FAIL
+    assert rows["environment.cuda_device"].detail == "no CUDA device"
+    assert rows["environment.arch"].status is Status.FAIL
+    assert rows["environment.torch"].status is Status.PASS
+    assert rows["environment.packages"].status is Status.PASS
+    assert "transformers" in rows["environment.packages"].data["packages"]
+
+
+def test_package_rows_are_summarized_but_mismatches_stay_visible():
+    ok = env.decide_installed("package", "a", "1", "1", 3, 1, [])
+    bad = env.decide_installed("package", "b", "2", "1", 0, 0, [])
+    rows = env.summarize_packages([ok, bad])
+    assert [r.check for r in rows] == ["environment.package.b", "environment.packages"]
+    assert rows[0].status is Status.FAIL
+    assert "1 locked package(s)" in rows[1].detail and "1 over 16 MiB" in rows[1].detail
