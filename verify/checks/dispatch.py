@@ -1,0 +1,313 @@
+"""Dispatch: which implementation each wrapped transformers function really resolved to.
+
+transformers 5.x wraps causal_conv1d_fn and chunk_gated_delta_rule with
+use_kernel_func_from_hub_with_fallback: it tries the installed package ONCE, at import, inside
+`except Exception`, and falls back to the torch reference silently; its only warning claims the
+package "is not installed" even when the import failed for another reason (DESIGN.md part 1).
+So we read the real resolution from the wrapper's closure, confirm by watching what the GDN layer
+instance calls at run time (the class is also decorated with use_kernelized_func), and re-import
+the package ourselves only to explain a fallback with the real exception.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from verify.calltrace import innermost_code, watch_calls
+from verify.context import Context
+from verify.families import Attention, FusedFunction
+from verify.lock import LockedKernel
+from verify.report import CheckResult, Status
+
+REBUILD = "rebuild the image with `python -m build` so the lock's kernel wheels are installed and importable"
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What transformers' wrapper closed over for one function."""
+
+    wrapper: str
+    implementation: Callable | None = None
+    torch_function: Callable | None = None
+    is_new: bool = False
+    applicable_params: tuple[str, ...] = ()
+    error: str = ""            # set when the closure could not be read
+
+    @property
+    def readable(self) -> bool:
+        return not self.error
+
+
+def describe(func: Callable | None) -> str:
+    if func is None:
+        return "nothing"
+    inner = inspect.unwrap(func)
+    return f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', repr(inner))}"
+
+
+def read_resolution(module, wrapper: str) -> Resolution:
+    """Read `implementation` / `is_new_implementation` from the wrapper's closure (no calls made)."""
+    func = getattr(module, wrapper, None)
+    if func is None:
+        return Resolution(wrapper, error=f"{module.__name__} has no {wrapper}")
+    try:
+        nonlocals = inspect.getclosurevars(func).nonlocals
+    except TypeError as exc:
+        return Resolution(wrapper, error=f"cannot inspect {wrapper}: {exc}")
+    if "implementation" not in nonlocals or "is_new_implementation" not in nonlocals:
+        return Resolution(
+            wrapper,
+            error=f"{wrapper} does not close over implementation/is_new_implementation; "
+                  "transformers changed use_kernel_func_from_hub_with_fallback",
+        )
+    return Resolution(
+        wrapper,
+        implementation=nonlocals["implementation"],
+        torch_function=nonlocals.get("torch_function"),
+        is_new=bool(nonlocals["is_new_implementation"]),
+        applicable_params=tuple(nonlocals.get("applicable_params", ())),
+    )
+
+
+def explain_fallback(package: str, symbol: str, distribution: str) -> str:
+    """Re-import the package ourselves and say the REAL reason it is unusable.
+
+    transformers' warning says "not installed" whatever happened; an undefined symbol, a Triton
+    without a C compiler or a missing libcuda look the same there.
+    """
+    import importlib.util
+
+    try:
+        installed = f"{distribution} {importlib.metadata.version(distribution)} is installed"
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            spec = None
+        installed = (f"`{package}` is present at {spec.origin or spec.submodule_search_locations}"
+                     if spec is not None else f"`{package}` is not installed")
+    try:
+        importlib.import_module(package)
+    except ModuleNotFoundError as exc:
+        if exc.name == package:
+            return f"{installed} (ModuleNotFoundError: {exc})"
+        return f"{installed} but `import {package}` raises ModuleNotFoundError: {exc} (a missing dependency)"
+    except BaseException as exc:  # noqa: BLE001 - any failure is the answer we report
+        return f"{installed} but `import {package}` raises {type(exc).__name__}: {exc}"
+    module_path, _, name = symbol.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_path), name)
+    except BaseException as exc:  # noqa: BLE001
+        return f"`import {package}` works but `{symbol}` does not resolve: {type(exc).__name__}: {exc}"
+    return (f"`{symbol}` imports now ({describe(found)}), yet transformers resolved the torch path at its "
+            "import: the package was installed or fixed after transformers was imported, or it failed then")
+
+
+def fallback_fix(fused: FusedFunction, why: str, in_lock: bool) -> str:
+    if "raises" in why or "does not resolve" in why:
+        return (f"{fused.package} is installed but broken (error in DETAIL): rebuild its wheel against this "
+                "image's torch/CUDA (`python -m build`); an undefined symbol means an ABI mismatch")
+    if in_lock:
+        return f"rebuild the image: the lock lists {fused.distribution} but it is not importable"
+    return f"add {fused.distribution} to the image's kernels manifest and rebuild"
+
+
+def decide_function(fused: FusedFunction, res: Resolution, lock_kernel: LockedKernel | None,
+                    runtime: dict[str, int] | None, runtime_error: str, why: str) -> CheckResult:
+    """Pure decision for one required fused function. `runtime` holds call counts of the fused
+    and torch code objects during one packed forward of the tiny model (None when not run)."""
+    name = f"dispatch.{fused.replaces}"
+    lock_note = (f"lock: {lock_kernel.name} {lock_kernel.version}" if lock_kernel
+                 else f"the lock has no kernel replacing {fused.replaces}")
+    if not res.readable:
+        return CheckResult(name, Status.FAIL, f"cannot read transformers' resolution: {res.error}",
+                           "pin the transformers version verify/ was written for (see lock.transformers)")
+    data: dict[str, Any] = {"implementation": describe(res.implementation), "is_new_implementation": res.is_new,
+                            "applicable_params": list(res.applicable_params), "runtime_calls": runtime}
+    if not res.is_new:
+        fix = fallback_fix(fused, why, lock_kernel is not None)
+        return CheckResult(
+            name, Status.FAIL,
+            f"torch reference path: {fused.wrapper} resolved to {describe(res.implementation)} "
+            f"(is_new_implementation=False); why: {why}; {lock_note}; the torch path also drops "
+            f"{fused.boundary_kwarg}, so packed documents leak",
+            fix, data)
+    impl_module = getattr(inspect.unwrap(res.implementation), "__module__", "") or ""
+    if not impl_module.startswith(fused.package):
+        return CheckResult(
+            name, Status.FAIL,
+            f"resolved to {describe(res.implementation)}, not the {fused.package} package (Kernel Hub?)",
+            "set USE_HUB_KERNELS=0 and use the image's verified wheel", data)
+    if fused.boundary_kwarg not in res.applicable_params:
+        return CheckResult(
+            name, Status.FAIL,
+            f"{describe(res.implementation)} takes no `{fused.boundary_kwarg}`; transformers drops it, so "
+            "packed documents leak", f"install the {fused.distribution} version pinned in the lock", data)
+    if lock_kernel is None:
+        return CheckResult(name, Status.FAIL, f"fused ({describe(res.implementation)}) but {lock_note}",
+                           "rebuild the image: an unlocked kernel was not built or checked by build/", data)
+    if runtime is None:
+        return CheckResult(name, Status.FAIL,
+                           f"resolved to {describe(res.implementation)}, but the GDN layer could not be run "
+                           f"to confirm: {runtime_error}", "run verify on a CUDA device (--device cuda)", data)
+    if runtime.get("torch", 0) or not runtime.get("fused", 0):
+        return CheckResult(
+            name, Status.FAIL,
+            f"resolved to {describe(res.implementation)}, but the GDN layer instance called the torch "
+            f"reference {runtime.get('torch', 0)}x and the fused function {runtime.get('fused', 0)}x "
+            "(use_kernelized_func/kernelize swapped it)", "do not kernelize the model; set USE_HUB_KERNELS=0",
+            data)
+    return CheckResult(
+        name, Status.PASS,
+        f"{describe(res.implementation)} ({lock_note}); the GDN layer called it {runtime['fused']}x, the torch "
+        f"reference 0x; `{fused.boundary_kwarg}` is accepted", data=data)
+
+
+def decide_attention(required: Attention, promised: str, build_error: str, model_attn: str | None,
+                     varlen_fn: Callable | None, runtime: dict[str, int] | None, why: str,
+                     locked: bool = True) -> CheckResult:
+    name = "dispatch.attention"
+    data = {"promised": promised, "model": model_attn, "varlen_fn": describe(varlen_fn), "runtime_calls": runtime}
+    want = required.implementation
+    if promised != want:
+        return CheckResult(
+            name, Status.FAIL,
+            f"the lock promises attn_implementation={promised!r}; packed documents need {want!r} "
+            "(sdpa/eager are the torch path and only mask packing, flash-attn varlen is the fused kernel)",
+            f"build the image with attn_implementation: {want} and the flash-attn wheel", data)
+    if build_error:
+        return CheckResult(name, Status.FAIL, f"transformers refused {want}: {build_error}; why: {why}",
+                           f"install the lock's {required.distribution} wheel; " + REBUILD, data)
+    if model_attn != want:
+        return CheckResult(name, Status.FAIL, f"the model runs {model_attn!r}, not {want!r}",
+                           f"pass attn_implementation={want!r} when building the model", data)
+    if runtime is None:
+        return CheckResult(name, Status.FAIL, f"{want} configured but not run: needs CUDA",
+                           "run verify on a CUDA device (--device cuda)", data)
+    varlen_module = getattr(inspect.unwrap(varlen_fn), "__module__", "") if varlen_fn else ""
+    if not varlen_module.startswith(required.package):
+        return CheckResult(name, Status.FAIL,
+                           f"flash attention resolved to {describe(varlen_fn)}, not the {required.package} "
+                           "package (Kernel Hub fallback?)", "install the lock's flash-attn wheel; set "
+                           "USE_HUB_KERNELS=0", data)
+    if runtime.get("torch", 0) or not runtime.get("fused", 0):
+        return CheckResult(name, Status.FAIL,
+                           f"attention layers called torch attention {runtime.get('torch', 0)}x and "
+                           f"flash_attention_forward {runtime.get('fused', 0)}x", "check config._attn_implementation",
+                           data)
+    if not locked:
+        return CheckResult(name, Status.FAIL, f"{want} runs via {describe(varlen_fn)}, but the lock has no kernel "
+                           f"replacing {required.replaces}: an unverified flash-attn", REBUILD, data)
+    return CheckResult(name, Status.PASS, f"{want} via {describe(varlen_fn)}; called {runtime['fused']}x, torch "
+                       "attention 0x", data=data)
+
+
+def decide_kernel_hub(kernels_version: str | None, hub_enabled: bool, model_use_kernels: bool) -> CheckResult:
+    name = "dispatch.kernel_hub"
+    data = {"kernels": kernels_version, "USE_HUB_KERNELS": hub_enabled, "model.use_kernels": model_use_kernels}
+    if model_use_kernels:
+        return CheckResult(name, Status.FAIL, "the model was kernelized from the Hub: its layers are not the "
+                           "verified wheels, and kernelize silently keeps layers without backward on the torch "
+                           "path (transformers PR #41428)", "build the model without use_kernels", data)
+    if kernels_version and hub_enabled:
+        return CheckResult(name, Status.WARN, f"`kernels` {kernels_version} is installed and USE_HUB_KERNELS is "
+                           "on: a later kernelize()/use_kernels=True would swap in unverified Hub kernels",
+                           "set USE_HUB_KERNELS=0 in the image, or remove `kernels`", data)
+    reason = "`kernels` is not installed" if not kernels_version else "USE_HUB_KERNELS is off"
+    return CheckResult(name, Status.PASS, f"Kernel Hub not in play: {reason}", data=data)
+
+
+def _kernels_state() -> tuple[str | None, bool]:
+    from transformers.integrations import hub_kernels
+
+    try:
+        version = importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    return version, bool(getattr(hub_kernels, "_kernels_enabled", False))
+
+
+def _runtime_probe(ctx: Context, model, module, resolutions: dict[str, Resolution]):
+    """One packed forward of the tiny model, watching which code objects run."""
+    import torch
+
+    from entrypoint.collate import collate_packed
+    from verify.tiny_model import batch_to, sample_documents
+
+    watched = {}
+    for fused in ctx.family.required_fused:
+        res = resolutions[fused.replaces]
+        watched[f"{fused.replaces}:torch"] = innermost_code(res.torch_function) if res.torch_function else None
+        watched[f"{fused.replaces}:fused"] = innermost_code(res.implementation) if res.is_new else None
+    from transformers.integrations import flash_attention, sdpa_attention
+
+    watched["attention:torch_sdpa"] = innermost_code(sdpa_attention.sdpa_attention_forward)
+    watched["attention:torch_eager"] = innermost_code(getattr(module, "eager_attention_forward"))
+    watched["attention:fused"] = innermost_code(flash_attention.flash_attention_forward)
+
+    docs = sample_documents([40, 24], model.config.vocab_size, seed=1)
+    batch = batch_to(collate_packed(docs, budget=72, pad_token_id=0), ctx.device)
+    batch.pop("labels")
+    with torch.no_grad(), watch_calls(watched) as counts:
+        model(**batch, use_cache=False)  # as in training; see packing_probe._run
+    return dict(counts)
+
+
+def run(ctx: Context) -> list[CheckResult]:
+    import torch
+
+    from verify.tiny_model import build_tiny_model, model_dtype, modeling_module
+
+    family = ctx.family
+    module = modeling_module(family)  # transformers resolves kernels here, at import
+    resolutions = {f.replaces: read_resolution(module, f.wrapper) for f in family.required_fused}
+
+    attn_error, attn_why = "", ""
+    wanted_attn = ctx.attn_implementation
+    dtype = model_dtype(ctx.device)
+    model, runtime, runtime_error = None, None, ""
+    if ctx.device.startswith("cuda") and not torch.cuda.is_available():
+        runtime_error = "needs CUDA: --device cuda but no CUDA device"
+    else:
+        try:
+            model = build_tiny_model(family, attn_implementation=wanted_attn, device=ctx.device, dtype=dtype)
+        except ImportError as exc:  # transformers refuses flash_attention_2 when flash_attn is unusable
+            attn_error = str(exc)
+            attn_why = explain_fallback(family.attention.package,
+                                        f"{family.attention.package}.flash_attn_varlen_func",
+                                        family.attention.distribution)
+            model = build_tiny_model(family, attn_implementation="sdpa", device=ctx.device, dtype=dtype)
+        try:
+            runtime = _runtime_probe(ctx, model, module, resolutions)
+        except Exception as exc:  # noqa: BLE001 - a kernel that cannot run is exactly what we report
+            runtime_error = f"{type(exc).__name__}: {exc}"
+    model_attn = model.config._attn_implementation if model is not None else wanted_attn
+
+    rows = []
+    for fused in family.required_fused:
+        res = resolutions[fused.replaces]
+        why = "" if (res.is_new or not res.readable) else explain_fallback(fused.package, fused.symbol,
+                                                                           fused.distribution)
+        per_fn = None if runtime is None else {
+            "torch": runtime[f"{fused.replaces}:torch"], "fused": runtime[f"{fused.replaces}:fused"]}
+        rows.append(decide_function(fused, res, ctx.lock_kernel_for(fused.replaces), per_fn, runtime_error, why))
+
+    attn_runtime = None
+    if runtime is not None and model_attn == family.attention.implementation:
+        attn_runtime = {"torch": runtime["attention:torch_sdpa"] + runtime["attention:torch_eager"],
+                        "fused": runtime["attention:fused"]}
+    from transformers import modeling_flash_attention_utils as fa_utils
+
+    rows.append(decide_attention(family.attention, wanted_attn, attn_error,
+                                 None if attn_error else model_attn,
+                                 fa_utils._flash_varlen_fn, attn_runtime, attn_why,
+                                 locked=ctx.lock_kernel_for(family.attention.replaces) is not None))
+    kernels_version, hub_enabled = _kernels_state()
+    rows.append(decide_kernel_hub(kernels_version, hub_enabled, bool(getattr(model, "use_kernels", False))))
+    if runtime_error and all(r.status != Status.FAIL for r in rows):
+        rows.append(CheckResult("dispatch.runtime", Status.FAIL, f"tiny model forward failed: {runtime_error}",
+                                REBUILD))
+    return rows

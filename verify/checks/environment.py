@@ -1,0 +1,248 @@
+"""Environment: the device, the driver, and that what is installed is what the lock says."""
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+from verify.context import Context
+from verify.lock import BuildLock, LockedKernel, LockedPackage
+from verify.report import CheckResult, Status
+
+REBUILD = "rebuild the image with `python -m build`; do not pip install over a built image"
+HASH_SIZE_CAP = 16 * 1024 * 1024  # files above this are counted, not hashed, unless --deep
+
+
+def decide_cuda_device(available: bool, count: int, name: str = "") -> CheckResult:
+    if not available or count == 0:
+        return CheckResult("environment.cuda_device", Status.FAIL, "no CUDA device",
+                           "run with `docker run --gpus all` on a host with the NVIDIA container toolkit; "
+                           "to exercise only the CPU probes: verify --device cpu --checks dispatch,isolation")
+    return CheckResult("environment.cuda_device", Status.PASS, f"{count} device(s); cuda:0 = {name}")
+
+
+def decide_arch(capability: tuple[int, int], target_archs: tuple[str, ...]) -> CheckResult:
+    arch = f"sm_{capability[0]}{capability[1]}"
+    if arch in target_archs:
+        return CheckResult("environment.arch", Status.PASS, f"{arch} is in the lock's target_archs {list(target_archs)}")
+    return CheckResult("environment.arch", Status.FAIL,
+                       f"device is {arch}; the kernels were built for {list(target_archs) or 'no GPU arch'} only "
+                       "(no PTX fallback for other archs)", f"add {arch} to the image's target_archs and rebuild")
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    parts = version.split(".")
+    return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+
+
+def decide_driver(driver_version: int | None, lock_cuda: str) -> CheckResult:
+    """driver_version is cudaDriverGetVersion's integer, e.g. 13000 for CUDA 13.0."""
+    if lock_cuda == "cpu":
+        return CheckResult("environment.driver", Status.FAIL, "the lock is a CPU image (cuda=cpu): no CUDA "
+                           "kernels to run", "use an image built with a CUDA toolkit for GPU training")
+    if not driver_version:
+        return CheckResult("environment.driver", Status.FAIL, "cannot read the CUDA driver version",
+                           "install an NVIDIA driver and run with --gpus all")
+    have = (driver_version // 1000, (driver_version % 1000) // 10)
+    need = _major_minor(lock_cuda)
+    if have < need:
+        return CheckResult("environment.driver", Status.FAIL,
+                           f"driver supports CUDA {have[0]}.{have[1]}, the image needs {lock_cuda}",
+                           f"upgrade the host driver to one supporting CUDA {lock_cuda}")
+    return CheckResult("environment.driver", Status.PASS, f"driver supports CUDA {have[0]}.{have[1]} >= {lock_cuda}")
+
+
+def decide_versions(lock: BuildLock, python: str, torch_version: str, torch_cuda: str | None,
+                    transformers_version: str) -> list[CheckResult]:
+    rows = []
+    want_cuda = None if lock.cuda == "cpu" else lock.cuda
+    pairs = [("python", lock.python, python), ("torch", lock.torch, torch_version),
+             ("torch_cuda", want_cuda or "none", torch_cuda or "none"),
+             ("transformers", lock.transformers, transformers_version)]
+    for what, want, have in pairs:
+        ok = have == want or (what == "python" and have.startswith(want + "."))
+        rows.append(CheckResult(f"environment.{what}", Status.PASS if ok else Status.FAIL,
+                                f"{have}" + ("" if ok else f", the lock says {want}"), "" if ok else REBUILD))
+    return rows
+
+
+def _record_mismatches(dist: importlib.metadata.Distribution, deep: bool) -> tuple[int, int, list[str]]:
+    """(hashed, skipped, mismatches) for the files listed in the dist's RECORD."""
+    hashed = skipped = 0
+    bad: list[str] = []
+    for f in dist.files or ():
+        if f.hash is None or f.hash.mode != "sha256":
+            continue
+        path = Path(dist.locate_file(f))
+        try:
+            if not deep and path.stat().st_size > HASH_SIZE_CAP:
+                skipped += 1
+                continue
+            digest = hashlib.sha256(path.read_bytes()).digest()
+        except OSError:
+            bad.append(f"{f} (missing)")
+            continue
+        hashed += 1
+        if base64.urlsafe_b64encode(digest).rstrip(b"=").decode() != f.hash.value:
+            bad.append(str(f))
+    return hashed, skipped, bad
+
+
+def decide_installed(what: str, name: str, want_version: str, have_version: str | None,
+                     hashed: int, skipped: int, bad: list[str], extra: str = "") -> CheckResult:
+    row = f"environment.{what}.{name}"
+    if have_version is None:
+        return CheckResult(row, Status.FAIL, f"{name} {want_version} is in the lock but not installed", REBUILD)
+    if have_version != want_version:
+        return CheckResult(row, Status.FAIL, f"installed {have_version}, the lock says {want_version}", REBUILD)
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+        return CheckResult(row, Status.FAIL, f"{len(bad)} file(s) differ from the wheel's RECORD: {shown}",
+                           REBUILD, {"mismatches": bad})
+    note = f"{hashed} file(s) match RECORD" + (f", {skipped} over {HASH_SIZE_CAP >> 20} MiB not hashed "
+                                              "(--deep hashes them)" if skipped else "")
+    return CheckResult(row, Status.PASS, f"{have_version}; {note}{extra}", data={"hashed": hashed, "skipped": skipped})
+
+
+def _dist(name: str):
+    try:
+        return importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_installed(entries: list[LockedPackage | LockedKernel], deep: bool) -> list[CheckResult]:
+    rows = []
+    for entry in entries:
+        what = "kernel" if isinstance(entry, LockedKernel) else "package"
+        dist = _dist(entry.name)
+        extra = ""
+        if isinstance(entry, LockedKernel):
+            if len(entry.sha256) != 64:
+                rows.append(CheckResult(f"environment.kernel.{entry.name}", Status.FAIL,
+                                        f"the lock records no wheel sha256 for {entry.wheel!r}", REBUILD))
+                continue
+            extra = f"; wheel {entry.wheel} sha256 {entry.sha256[:12]}"
+        if dist is None:
+            rows.append(decide_installed(what, entry.name, entry.version, None, 0, 0, []))
+            continue
+        # Kernels are small and are where ABI damage hides: always hash them fully.
+        hashed, skipped, bad = _record_mismatches(dist, deep or what == "kernel")
+        rows.append(decide_installed(what, entry.name, entry.version, dist.version, hashed, skipped, bad, extra))
+    return rows
+
+
+def summarize_packages(rows: list[CheckResult]) -> list[CheckResult]:
+    """One row for all matching packages (a real lock has dozens); every mismatch keeps its own row."""
+    bad = [r for r in rows if r.status is not Status.PASS]
+    good = [r for r in rows if r.status is Status.PASS]
+    if not good:
+        return bad
+    hashed = sum(r.data.get("hashed", 0) for r in good)
+    skipped = sum(r.data.get("skipped", 0) for r in good)
+    names = [r.check.removeprefix("environment.package.") for r in good]
+    note = f", {skipped} over {HASH_SIZE_CAP >> 20} MiB not hashed (--deep hashes them)" if skipped else ""
+    summary = CheckResult("environment.packages", Status.PASS,
+                          f"{len(good)} locked package(s) installed at the locked version; {hashed} file(s) match "
+                          f"their wheels' RECORD{note}", data={"packages": names, "hashed": hashed, "skipped": skipped})
+    return bad + [summary]
+
+
+def decide_triton_runtime(needed: bool, compiler: str | None, python_h: Path, cache_dir: Path,
+                          cache_writable: bool) -> CheckResult:
+    row = "environment.triton_runtime"
+    if not needed:
+        return CheckResult(row, Status.SKIP, "the lock has no triton-kind kernel, so no JIT at run time")
+    missing, fixes = [], []
+    if not compiler:
+        missing.append("no C compiler (gcc/clang/cc or $CC)")
+        fixes.append("install gcc in the runtime image")
+    if not python_h.is_file():
+        missing.append(f"no {python_h}")
+        fixes.append(f"install python{sys.version_info.major}.{sys.version_info.minor}-dev headers")
+    if not cache_writable:
+        missing.append(f"cache dir {cache_dir} not writable")
+        fixes.append("set TRITON_CACHE_DIR to a writable path (the image runs as non-root)")
+    if missing:
+        return CheckResult(row, Status.FAIL, "Triton builds a C launcher at first GPU call and will fail: "
+                           + "; ".join(missing), "; ".join(fixes))
+    return CheckResult(row, Status.PASS, f"compiler {compiler}, {python_h.name} present, cache {cache_dir} writable")
+
+
+def triton_cache_dir() -> Path:
+    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def _writable(path: Path) -> bool:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False
+
+
+def find_compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc and shutil.which(cc):
+        return shutil.which(cc)
+    for name in ("gcc", "clang", "cc"):
+        if shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def driver_version() -> int | None:
+    """cudaDriverGetVersion's integer (13000 = CUDA 13.0), from torch or straight from libcuda."""
+    import ctypes
+
+    import torch
+
+    try:
+        return int(torch._C._cuda_getDriverVersion())
+    except Exception:  # noqa: BLE001 - private API; fall back to the driver library itself
+        pass
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int()
+        if lib.cuDriverGetVersion(ctypes.byref(version)) == 0:
+            return version.value
+    except (OSError, AttributeError):
+        pass
+    return None
+
+
+def run(ctx: Context) -> list[CheckResult]:
+    import torch
+
+    available = torch.cuda.is_available()
+    count = torch.cuda.device_count() if available else 0
+    rows = [decide_cuda_device(available, count, torch.cuda.get_device_name(0) if count else "")]
+    lock = ctx.lock
+    if lock is None:
+        rows.append(CheckResult("environment.lock", Status.FAIL, "no lock to compare the installation with",
+                                "see the lock row"))
+        return rows
+    if count:
+        rows.append(decide_arch(torch.cuda.get_device_capability(0), lock.target_archs))
+        rows.append(decide_driver(driver_version(), lock.cuda))
+    else:
+        rows.append(CheckResult("environment.arch", Status.FAIL, "no CUDA device to compare with the lock's "
+                                f"target_archs {list(lock.target_archs)}", "see environment.cuda_device"))
+    import transformers
+
+    python = ".".join(map(str, sys.version_info[:3]))
+    rows.extend(decide_versions(lock, python, torch.__version__, torch.version.cuda, transformers.__version__))
+    rows.extend(check_installed(list(lock.kernels), ctx.deep))
+    rows.extend(summarize_packages(check_installed(list(lock.packages), ctx.deep)))
+    needed = any(k.kind == "triton" for k in lock.kernels)
+    cache = triton_cache_dir()
+    rows.append(decide_triton_runtime(needed, find_compiler(), Path(sysconfig.get_paths()["include"]) / "Python.h",
+                                      cache, _writable(cache) if needed else False))
+    return rows

@@ -1,0 +1,102 @@
+"""run_checks: the library entry the entrypoint calls before training (fail closed)."""
+from __future__ import annotations
+
+import importlib
+import os
+import traceback
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from verify.context import Context
+from verify.families import UnknownFamily, default_family, load_family
+from verify.lock import LockError, load_lock, lock_path
+from verify.report import CheckResult, Report, Status
+
+# Order matters for reading the table: what is installed, what transformers picked, whether the
+# kernels compute the right thing, whether packing stays isolated.
+CHECKS: tuple[str, ...] = ("environment", "dispatch", "fused_ops", "isolation")
+DEVICES = ("auto", "cuda", "cpu")
+
+
+class UsageError(Exception):
+    """Bad arguments; carries a fix like every other error the user sees."""
+
+    def __init__(self, message: str, fix: str):
+        super().__init__(message)
+        self.fix = fix
+
+
+def parse_checks(spec: str | Iterable[str] | None) -> tuple[str, ...]:
+    if spec is None:
+        return CHECKS
+    names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip()]
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown or not names:
+        raise UsageError(f"unknown check(s): {', '.join(unknown) or '(none given)'}",
+                         f"choose from: {','.join(CHECKS)}")
+    return tuple(n for n in CHECKS if n in names)
+
+
+def resolve_device(device: str) -> str:
+    if device not in DEVICES:
+        raise UsageError(f"unknown device {device!r}", f"use one of: {', '.join(DEVICES)}")
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _lock_row(path: Path) -> tuple[CheckResult, object]:
+    try:
+        lock = load_lock(path)
+    except LockError as exc:
+        return CheckResult("lock", Status.FAIL, str(exc), exc.fix), None
+    return CheckResult("lock", Status.PASS, f"{path}: image={lock.image} sha256={lock.sha256()[:12]} "
+                       f"torch={lock.torch} cuda={lock.cuda} family={lock.model_family}",
+                       data={"path": str(path), "sha256": lock.sha256()}), lock
+
+
+def run_checks(checks: str | Sequence[str] | None = None, *, device: str = "auto",
+               lock: str | os.PathLike | None = None, deep: bool = False) -> Report:
+    """Run the selected checks and return the report.
+
+    Environment problems (no lock, no GPU, a crashing check) become FAIL rows, never exceptions;
+    only bad arguments raise UsageError (with a fix). The entrypoint gates on `report.passed`;
+    only its own --allow-fallback / FTIMAGE_ALLOW_FALLBACK=1 may override that.
+    """
+    names = parse_checks(checks)
+    resolved = resolve_device(device)
+    path = Path(lock) if lock else lock_path()
+    lock_row, build_lock = _lock_row(path)
+    family = None
+    family_name = build_lock.model_family if build_lock else default_family()
+    if build_lock is None:
+        lock_row = CheckResult(lock_row.check, lock_row.status,
+                               f"{lock_row.detail} (the probes assume model family {family_name})", lock_row.fix)
+    rows = [lock_row]
+    try:
+        family = load_family(family_name)
+    except UnknownFamily as exc:
+        rows.append(CheckResult("model_family", Status.FAIL, str(exc), exc.fix))
+    ctx = Context(lock=build_lock, device=resolved, family=family, deep=deep)
+
+    for name in names:
+        rows.extend(_run_one(name, ctx))
+    return Report.of(rows)
+
+
+def _run_one(name: str, ctx: Context) -> list[CheckResult]:
+    needs_family = name in ("dispatch", "fused_ops", "isolation")
+    if needs_family and ctx.family is None:
+        return [CheckResult(name, Status.FAIL, "no usable model family (see model_family row)",
+                            "fix the model family first")]
+    module = importlib.import_module(f"verify.checks.{name}")
+    try:
+        rows = module.run(ctx)
+    except Exception as exc:  # noqa: BLE001 - a crashing check must still fail closed, readably
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        return [CheckResult(name, Status.FAIL,
+                            f"check crashed: {type(exc).__name__}: {exc} (at {Path(where.filename).name}:"
+                            f"{where.lineno})", "report this as a verify bug, with `verify --json` output")]
+    return rows
