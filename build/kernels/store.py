@@ -74,7 +74,9 @@ class KernelStore:
         same key is a killed build's leftover; other keys' dirs may belong to live builds."""
         for leftover in self.root.glob(f".tmp-{key[:16]}-*"):
             shutil.rmtree(leftover, ignore_errors=True)
-        return Path(tempfile.mkdtemp(prefix=f".tmp-{key[:16]}-", dir=self.root))
+        staging = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:16]}-", dir=self.root))
+        staging.chmod(0o755)  # mkdtemp's 0700 would make a shared cache unreadable to other users
+        return staging
 
     def publish(self, key: str, staging: Path, meta: dict[str, Any]) -> KernelEntry:
         wheel = staging / meta["wheel"]
