@@ -529,6 +529,7 @@ def _load_image(f: Fields, data: dict, directory: Path) -> ImageSpec | None:
                 loaded = {}
             if isinstance(loaded, dict):
                 defaults = {**loaded, **defaults}
+    _check_finetune_defaults(f, defaults)
     if not runtime_body:
         f.fail("runtime", "required field is missing", "add runtime: {user: trainer, uid: 10001}", "missing-field")
     if None in (name, toolchain, builder, runtime, model_family):
@@ -540,6 +541,19 @@ def _load_image(f: Fields, data: dict, directory: Path) -> ImageSpec | None:
                      platform=platform, builder_base=builder, runtime_base=runtime, target_archs=archs,
                      kernels=kernels, python_requirements=requirements, user=user, labels=labels,
                      model_family=model_family, attn_implementation=attn, finetune_defaults=defaults)
+
+
+def _check_finetune_defaults(f: Fields, defaults: dict) -> None:
+    """Validate with the entrypoint's own config schema, so bad defaults fail the build (exit 2),
+    not every training job that later starts from this image."""
+    from entrypoint.config import ConfigError, build_config
+    # model.path and data.path are per run; stand-ins let everything else be checked.
+    per_run = {"model": {"path": "/run-time/model"}, "data": {"path": "/run-time/data.jsonl"}}
+    try:
+        build_config([per_run, defaults])
+    except ConfigError as exc:
+        for where, problem, fix in exc.problems:
+            f.fail(f"finetune.defaults.{where}", problem, fix, "finetune-config")
 
 
 def _load_base_ref(f: Fields, bases: dict, stage: str) -> BaseRef | None:

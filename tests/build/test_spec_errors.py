@@ -165,3 +165,11 @@ def test_unknown_kernel_message_lists_known_ones(ws, run_cli):
     ws.save("qwen27b", data)
     _, _, err = run_cli(ws.plan("qwen27b"))
     assert "use one of: causal-conv1d, flash-attn, flash-linear-attention" in err
+
+
+def test_finetune_defaults_are_validated_with_the_entrypoint_schema(ws, run_cli):
+    (ws.image("smoke") / "finetune.yaml").write_text("packing: {mode: zigzag}\ntrian: {max_steps: 3}\n")
+    code, _, err = run_cli(ws.plan("smoke"))
+    assert code == 2
+    assert ": finetune.defaults.packing.mode: " in err
+    assert ": finetune.defaults.trian: " in err

@@ -6,9 +6,19 @@ import pytest
 from entrypoint.testing import Fixture, write_fixture
 
 
+# Rows every training run must survive and report: one unparseable line, one without
+# `messages`, one whose reply runs past data.max_length (512) and gets truncated.
+BAD_ROWS = [
+    "{this is not json",
+    {"prompt": "no messages here"},
+    {"messages": [{"role": "user", "content": "go on"},
+                  {"role": "assistant", "content": " ".join(["tree river"] * 400)}]},
+]
+
+
 @pytest.fixture(scope="session")
 def fixture_dir(tmp_path_factory) -> Fixture:
-    return write_fixture(tmp_path_factory.mktemp("ft-fixture"))
+    return write_fixture(tmp_path_factory.mktemp("ft-fixture"), extra_rows=BAD_ROWS)
 
 
 @pytest.fixture(scope="session")

@@ -47,3 +47,21 @@ def test_flops_count_attention_per_document(fixture_dir):
     # two packed documents of 100 tokens cost less attention than one row of 200
     assert fm.train_flops(200, 100**2 + 100**2) < fm.train_flops(200, 200**2)
     assert fm.train_flops(200, 2 * 100**2) - fm.train_flops(200, 0) == pytest.approx(3 * fm.attn_per_sq_token * 2e4)
+
+
+def test_chunked_loss_equals_unchunked_in_value_and_gradient():
+    import torch
+
+    from entrypoint.trainer import chunked_ce_sum
+
+    torch.manual_seed(0)
+    logits = torch.randn(37, 11, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 11, (37,))
+    labels[::3] = -100
+    full = chunked_ce_sum(logits, labels, 0)
+    (g_full,) = torch.autograd.grad(full, logits)
+    chunked = chunked_ce_sum(logits, labels, 8)   # 5 chunks, the last one short
+    (g_chunked,) = torch.autograd.grad(chunked, logits)
+    torch.testing.assert_close(chunked, full, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(g_chunked, g_full, rtol=0, atol=0)
+    assert full.dtype == torch.float32

@@ -184,3 +184,34 @@ def test_caches_default_under_output_dir(tmp_path):
     for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME"):
         assert env[name].startswith(cfg.output.dir)
     assert env["HOME"] == str(tmp_path)
+
+
+def test_verify_is_passed_through():
+    r = run_entrypoint(["verify", "--help"])
+    assert r.returncode == 0 and r.stdout.startswith("usage: verify")
+
+
+def test_packing_decision_under_the_gate():
+    from entrypoint.finetune import decide_packing
+    from entrypoint.gate import GateOutcome
+
+    ok = GateOutcome(passed=True, worst="PASS", table="")
+    bad = GateOutcome(passed=False, worst="FAIL", table="")
+    assert decide_packing("packed", ok, False)["effective"] == "packed"
+    assert decide_packing("padded", ok, False)["effective"] == "padded"
+    fallback = decide_packing("packed", bad, True)
+    assert fallback["effective"] == "padded" and "leak" in fallback["reason"]
+    assert decide_packing("padded", bad, True)["effective"] == "padded"
+
+
+def test_gate_reports_a_verify_crash_as_failure(monkeypatch):
+    import verify
+
+    from entrypoint.gate import run_verify
+
+    def boom(*a, **k):
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(verify, "run_checks", boom)
+    outcome = run_verify()
+    assert not outcome.passed and outcome.worst == "ERROR" and "kaboom" in outcome.table

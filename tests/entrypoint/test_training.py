@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -87,8 +88,13 @@ def test_fallback_run_trains_pads_records_and_exports(fixture_dir, tmp_path):
     assert losses[10] < losses[1] - 1.0, losses
     report = json.loads((out / "run_report.json").read_text())
     assert report["status"] == "completed" and report["allow_fallback"] is True
-    assert report["packing"]["effective"] == "padded" and report["verify"]["passed"] is False
-    assert report["bad_rows"]["skipped"] == 0 and report["final_step"] == 10
+    assert report["packing"]["effective"] == report["packing_mode"] == "padded"
+    assert report["verify"]["passed"] is False
+    # the planted bad rows (conftest.BAD_ROWS) are counted, reported and did not stop the run
+    assert report["bad_rows"]["by_reason"] == {"invalid_json": 1, "missing_messages": 1}
+    assert report["bad_rows"]["truncated"] == 1 and report["rows_read"] == 259 and report["documents"] == 257
+    assert "bad rows: {'invalid_json': 1, 'missing_messages': 1}, truncated: 1" in r.stdout
+    assert report["final_step"] == 10
     assert report["final_loss"] == pytest.approx(losses[10])
     m = _metrics(out)[-1]
     for key in ("tokens_per_s", "padding_ratio", "packing_efficiency", "data_time_s", "compute_time_s", "mfu",
@@ -187,7 +193,7 @@ def test_two_node_run_on_loopback(fixture_dir, tmp_path):
         env = entrypoint_env(NNODES="2", NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                              GLOO_SOCKET_IFNAME="lo")
         procs.append(subprocess.Popen(
-            [os.sys.executable, "-m", "entrypoint", "finetune", "--config", str(fixture_dir.config),
+            [sys.executable, "-m", "entrypoint", "finetune", "--config", str(fixture_dir.config),
              "--allow-fallback", f"output.dir={out}", "launch.nproc_per_node=1", "train.max_steps=6",
              "checkpoint.every=3", "checkpoint.export=false"],
             env=env, cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -223,3 +229,18 @@ def test_loss_is_normalised_by_global_tokens(fixture_dir, tmp_path):
     ga = {m["step"]: m["grad_norm"] for m in _metrics(two)}
     gb = {m["step"]: m["grad_norm"] for m in _metrics(one)}
     assert ga[1] == pytest.approx(gb[1], rel=1e-4)
+
+
+def test_unusable_data_fails_with_a_fix_and_a_report(fixture_dir, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"messages": []}\n{"text": "wrong shape"}\n')
+    out = tmp_path / "out"
+    r = run_entrypoint(["finetune", "--config", str(fixture_dir.config), "--allow-fallback", f"data.path={data}",
+                        f"output.dir={out}", "launch.nproc_per_node=1"], timeout=240)
+    log = r.stdout + r.stderr
+    assert r.returncode == 1, log[-3000:]
+    assert "ERROR: no usable rows" in log and "empty_messages" in log and "fix:" in log
+    assert "training failed on rank 0 (exit 1)" in log
+    assert "Traceback" not in log
+    report = json.loads((out / "run_report.json").read_text())
+    assert report["status"] == "failed" and "no usable rows" in report["error"]

@@ -1,0 +1,181 @@
+"""DCP checkpoints written atomically, resumed exactly, and the final HF export.
+
+Layout under <output.dir>/checkpoints/:
+  step-00000010/          a complete checkpoint (the ONLY name resume ever considers)
+    .metadata, __*.distcp  model + optimizer (DCP, sharded, every rank writes its part)
+    rng-rank<r>.pt         per-rank RNG state (torch, cuda, numpy, python)
+    trainer_state.json     step, scheduler, sampler, written LAST
+  .tmp-step-00000012/     being written; never valid; removed at the next start
+
+Atomicity: all ranks write into the temp dir, every file is fsynced, then rank 0 renames
+the temp dir to its final name and fsyncs the parent. rename(2) is atomic on one
+filesystem, so a kill at any moment leaves either a complete step dir or a temp dir.
+Multi-node runs need output.dir on a shared filesystem (every rank writes its shard).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+TRAINER_STATE = "trainer_state.json"
+
+
+class CheckpointError(Exception):
+    def __init__(self, message: str, fix: str):
+        super().__init__(f"{message}\n  fix: {fix}")
+        self.fix = fix
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def is_complete(path: Path, world_size: int | None = None) -> bool:
+    if not (STEP_DIR.match(path.name) and (path / ".metadata").is_file() and (path / TRAINER_STATE).is_file()):
+        return False
+    if world_size is not None:
+        return all((path / f"rng-rank{r}.pt").is_file() for r in range(world_size))
+    return True
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def _fsync_tree(path: Path) -> None:
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Checkpointer:
+    def __init__(self, root: Path, *, keep: int, rank: int, world_size: int):
+        self.root = root
+        self.keep = keep
+        self.rank = rank
+        self.world_size = world_size
+
+    def clean_stale(self) -> list[str]:
+        """Remove temp dirs a killed run left behind (rank 0; then everyone waits)."""
+        removed = []
+        if self.rank == 0 and self.root.is_dir():
+            for p in self.root.iterdir():
+                if p.name.startswith(".tmp-"):
+                    shutil.rmtree(p, ignore_errors=True)
+                    removed.append(p.name)
+        dist.barrier()
+        return removed
+
+    def save(self, step: int, model, optimizer, trainer_state: dict) -> Path:
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f".tmp-{final.name}"
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        dist.barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        torch.save(rng_state(), tmp / f"rng-rank{self.rank}.pt")
+        dist.barrier()
+        if self.rank == 0:
+            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2))
+            _fsync_tree(tmp)
+            if final.exists():  # a re-run of the same step after resume: replace it whole
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            self._prune()
+        dist.barrier()
+        return final
+
+    def _prune(self) -> None:
+        for old in list_checkpoints(self.root)[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, path: Path, model, optimizer) -> dict:
+        """Restore model + optimizer in place; returns trainer_state (rng restored too)."""
+        if not is_complete(path, self.world_size):
+            raise CheckpointError(f"{path} is not a complete checkpoint for {self.world_size} ranks",
+                                  "set checkpoint.resume=auto (newest complete one), never, or a complete "
+                                  "step-* directory written by the same world size")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_rng_state(torch.load(path / f"rng-rank{self.rank}.pt", weights_only=False))
+        return json.loads((path / TRAINER_STATE).read_text())
+
+
+def export_hf(model, hf_config, tokenizer, out_dir: Path, *, dtype: torch.dtype, rank: int) -> Path | None:
+    """Gather full weights to rank 0 and write a from_pretrained-loadable directory
+    (safetensors, sharded at 5 GB), atomically like checkpoints."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return None
+    from huggingface_hub import save_torch_state_dict
+
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if getattr(hf_config, "tie_word_embeddings", False):
+        full.pop("lm_head.weight", None)  # shared with the embedding; HF re-ties on load
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
+    save_torch_state_dict(state, str(tmp), max_shard_size="5GB")
+    hf_config.dtype = str(dtype).removeprefix("torch.")
+    hf_config.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    _fsync_tree(tmp)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.rename(tmp, out_dir)
+    _fsync_dir(out_dir.parent)
+    return out_dir
