@@ -52,7 +52,7 @@ def test_kernel_smoke_compiles_checks_and_caches(kernel_smoke):
     kernel, entry = _kernel_entry(REPO_ROOT / "images" / "kernel-smoke", "causal-conv1d")
     assert entry is not None, "the compiled wheel must be in the cache"
     assert entry.meta["archs"]["sass"] == ["sm_90"]          # patched gencodes: sm_90 only
-    assert entry.meta["observed"]["torch"] == "2.14.1"
+    assert entry.meta["observed"]["torch"] == "2.14.1+cu130"   # torch.__version__ of the pinned wheel
     assert entry.meta["observed"]["nvcc"] == "13.0"
     assert entry.meta["inputs"] == kernel.key_inputs
     lock = json.loads((kernel_smoke["out"] / "build.lock.json").read_text())
@@ -79,7 +79,7 @@ def test_plan_shows_recorded_compile_cost_and_cache_state(kernel_smoke):
 
 def test_image_reruns_checks_inside(engine, kernel_smoke):
     tag = kernel_smoke["first"]["tag"]
-    result = engine.run(tag, ["-c", "import causal_conv1d_cuda as m; print(sorted(n for n in dir(m) "
+    result = engine.run(tag, ["-c", "import torch, causal_conv1d_cuda as m; print(sorted(n for n in dir(m) "
                               "if n.startswith('causal')))"], entrypoint=["python"], timeout=300)
     assert result.exit_code == 0, result.output
     assert "causal_conv1d_bwd" in result.output and "causal_conv1d_fwd" in result.output
