@@ -8,7 +8,10 @@ checks run again inside it.
 from __future__ import annotations
 
 import json
+import tempfile
+import zipfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from build.cache import CacheLayout
 from build.context import KernelWheel
@@ -76,45 +79,36 @@ def expected_costs(plan: BuildPlan, cache: CacheLayout) -> dict[str, tuple[str, 
 
 def check_image(plan: BuildPlan, *, engine: Engine, image: str, log: EventLog, lock: BuildLock) -> list[CheckRow]:
     """Re-run the GPU-free checks inside the built image, as its runtime user, without network."""
-    config = kernel_check_config(None, plan=plan, check_lock=True)
-    result = engine.run(image, ["-c", CHECK_SCRIPT.read_text(), json.dumps(config)], entrypoint=["python"],
-                        network="none", timeout=900)
-    rows = parse_rows(result.output)
-    if rows is None:
-        raise BuildFailure(f"the in-image check did not run (exit {result.exit_code}):\n{result.output[-1500:]}",
-                           "the image's python or torch is broken; see the output above")
-    log.emit("check", f"in-image checks for {image}:\n{render_rows(rows)}")
-    fail_on(rows, f"image {image} failed its GPU-free checks")
-    return rows
+    return _run_checks(engine, image, kernel_check_config(None, plan=plan, check_lock=True), log=log,
+                       what=f"image {image}")
 
 
-def check_wheel_in_image(wheel, kernel, *, engine: Engine, image: str, log: EventLog) -> list[CheckRow]:
+def check_wheel_in_image(wheel: Path, kernel, *, engine: Engine, image: str, log: EventLog) -> list[CheckRow]:
     """Import a kernel wheel beside another image's torch (the ABI check on demand): the wheel is
     unpacked onto PYTHONPATH inside the image, and the same in-container checks run."""
-    import tempfile
-    import zipfile
-    from pathlib import Path
-
     info = engine.image(image)
     if info is None:
         raise BuildFailure(f"image {image} not found", "build it first, or pass an image tag that exists")
     labels = info["Config"].get("Labels") or {}
+    config = {"plan_key": labels.get("io.ftimage.plan-key", ""), "check_lock": False, "skip_torch": True,
+              "kernels": [kernel_config(kernel)]}
     with tempfile.TemporaryDirectory(prefix="ftimage-wheelcheck-") as tmp:
         with zipfile.ZipFile(wheel) as zf:
             zf.extractall(tmp)
-        Path(tmp).chmod(0o755)
-        for path in Path(tmp).rglob("*"):
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        config = {"plan_key": labels.get("io.ftimage.plan-key", ""), "check_lock": False,
-                  "torch": "", "cuda": "", "cxx11_abi": None, "skip_torch": True,
-                  "kernels": [kernel_config(kernel)]}
-        result = engine.run(image, ["-c", CHECK_SCRIPT.read_text(), json.dumps(config)], entrypoint=["python"],
-                            network="none", timeout=600, volumes={tmp: {"bind": "/opt/wheelcheck", "mode": "ro"}},
-                            environment={"PYTHONPATH": "/opt/wheelcheck"})
+        for path in [Path(tmp), *Path(tmp).rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)  # readable by the image's non-root user
+        return _run_checks(engine, image, config, log=log, what=f"{wheel.name} beside {image}'s torch",
+                           volumes={tmp: {"bind": "/opt/wheelcheck", "mode": "ro"}},
+                           environment={"PYTHONPATH": "/opt/wheelcheck"})
+
+
+def _run_checks(engine: Engine, image: str, config: dict, *, log: EventLog, what: str, **run_options) -> list[CheckRow]:
+    result = engine.run(image, ["-c", CHECK_SCRIPT.read_text(), json.dumps(config)], entrypoint=["python"],
+                        network="none", timeout=900, **run_options)
     rows = parse_rows(result.output)
     if rows is None:
-        raise BuildFailure(f"the check did not run in {image} (exit {result.exit_code}):\n{result.output[-1500:]}",
-                           "the image's python is broken; see the output above")
-    log.emit("check", f"{Path(wheel).name} in {image}:\n{render_rows(rows)}")
-    fail_on(rows, f"{Path(wheel).name} is not sound beside {image}'s torch")
+        raise BuildFailure(f"the checks did not run for {what} (exit {result.exit_code}):\n{result.output[-1500:]}",
+                           "the image's python or torch is broken; see the output above")
+    log.emit("check", f"checks for {what}:\n{render_rows(rows)}")
+    fail_on(rows, f"{what}: not sound")
     return rows

@@ -138,7 +138,8 @@ def test_export_import_verifies_hashes(kernel_smoke, tmp_path):
 
 # ---- failure paths with the tiny test kernel ----------------------------------------
 
-def _testkernel_workspace(tmp: Path, *, version: str, hardcoded_arch: str | None = None) -> Path:
+def _testkernel_workspace(tmp: Path, *, version: str, hardcoded_arch: str | None = None,
+                          old_cxx_abi: bool = False) -> Path:
     """An image + manifest that build tests/kernel/testkernel; its sdist is pre-staged in the cache
     (the manifest's URL is never fetched)."""
     tmp.mkdir(parents=True, exist_ok=True)
@@ -151,6 +152,10 @@ def _testkernel_workspace(tmp: Path, *, version: str, hardcoded_arch: str | None
                 data = data.replace(b'version="0.1.0"', f'version="{version}"'.encode())
                 if hardcoded_arch:
                     data = data.replace(b"HARDCODED_ARCH = None", f'HARDCODED_ARCH = "{hardcoded_arch}"'.encode())
+            if path.name == "binding.cpp" and old_cxx_abi:
+                # The pre-C++11 std::string ABI, as a wrong-flavour prebuilt wheel has
+                # (flash-attention #853): torch's own symbols then no longer resolve.
+                data = b"#undef _GLIBCXX_USE_CXX11_ABI\n#define _GLIBCXX_USE_CXX11_ABI 0\n" + data
             info = tarfile.TarInfo(f"{top}/{path.name}")
             info.size, info.mtime = len(data), 0
             tar.addfile(info, io.BytesIO(data))
@@ -191,6 +196,19 @@ def test_requested_arch_missing_from_the_so_fails_and_caches_nothing(kernel_smok
     assert "arch coverage (SASS)" in proc.stderr and "did not emit sm_90" in proc.stderr
     assert "sm_80" in proc.stderr  # reported as what the wheel really holds
     assert "NOT cached" in proc.stderr
+    assert KernelStore(CacheLayout(default_cache_root())).get(key) is None
+
+
+def test_abi_flavour_mismatch_fails_the_import_check_naming_the_symbol(kernel_smoke, tmp_path):
+    """A wheel whose C++ ABI differs from torch's: the import check in the builder fails, names
+    the undefined symbol, and the wheel never enters the cache."""
+    ws = _testkernel_workspace(tmp_path / "ws", version="0.1.2", old_cxx_abi=True)
+    key = _key(ws)
+    proc = run_build_cli(str(ws / "images" / "testkernel"), "--kernels-only", "--manifest",
+                         str(ws / "kernels_manifest.yaml"), timeout=1800)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "import/ABI" in proc.stderr and "undefined symbol _ZN3c10" in proc.stderr
+    assert "NOT cached" in proc.stderr and "Traceback" not in proc.stderr
     assert KernelStore(CacheLayout(default_cache_root())).get(key) is None
 
 
