@@ -66,10 +66,14 @@ def resolve_closure(requirements: tuple[str, ...], *, plan: BuildPlan, cache: Ca
     record = cache.resolutions / f"{key}.json"
     if record.is_file():
         wheels = _read_resolution(record)
-        if wheels is not None:
+        missing = [w.filename for w in wheels or () if not cache.wheel_path(w.sha256, w.filename).is_file()]
+        if wheels is not None and not missing:
             verify_cached_wheels(wheels, cache)
             log.emit("wheelhouse", f"{purpose}: resolution cache hit, {len(wheels)} wheels", key=key[:12])
             return Resolution(key=key, wheels=wheels, cache_hit=True)
+        if missing:  # e.g. evicted after failing its hash: fetch again rather than fail
+            log.emit("wheelhouse", f"{purpose}: {len(missing)} cached wheel(s) missing, fetching again",
+                     first=missing[0])
     log.emit("wheelhouse", f"{purpose}: resolving and downloading the Python closure with pip", key=key[:12])
     wheels = _download(requirements, plan, cache, log)
     atomic_write_bytes(record, (json.dumps([w.__dict__ for w in wheels], indent=1, sort_keys=True) + "\n").encode())
@@ -80,9 +84,6 @@ def verify_cached_wheels(wheels: tuple[Wheel, ...], cache: CacheLayout) -> None:
     """Re-hash every cached wheel; a corrupt one is evicted and named, never used."""
     for wheel in wheels:
         path = cache.wheel_path(wheel.sha256, wheel.filename)
-        if not path.is_file():
-            raise BuildFailure(f"cached wheel {wheel.filename} is missing from {path.parent}",
-                               f"delete {cache.resolutions} entries or re-run after `rm -r {cache.root}`")
         actual = sha256_file(path)
         if actual != wheel.sha256:
             shutil.rmtree(path.parent, ignore_errors=True)  # evict: the next run re-downloads it
