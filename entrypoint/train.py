@@ -96,4 +96,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip C++ static destructors: at interpreter exit a c10d/gloo background thread can
+    # still be joinable, and its std::thread destructor aborts the worker ("terminate
+    # called without an active exception", exit -6) after a run that fully succeeded;
+    # torchrun then reports the whole job as failed. Everything (checkpoints, export,
+    # report) is written and fsynced before this point.
+    os._exit(code)
