@@ -100,7 +100,8 @@ def test_corrupt_cached_wheel_is_named_evicted_and_refetched(smoke_build, tmp_pa
     cache = CacheLayout(tmp_path / "cache")
     shutil.copytree(source.resolutions, cache.resolutions)
     shutil.copytree(source.wheels, cache.wheels)
-    victim = min((p for p in cache.wheels.rglob("*.whl")), key=lambda p: p.stat().st_size)
+    locked = {p["filename"] for p in json.loads((smoke_build["out"] / "build.lock.json").read_text())["packages"]}
+    victim = min((p for p in cache.wheels.rglob("*.whl") if p.name in locked), key=lambda p: p.stat().st_size)
     with open(victim, "r+b") as fh:
         fh.seek(10)
         fh.write(b"tampered")
