@@ -93,7 +93,7 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
             report.image_id, report.size_bytes = built.id, built.size_bytes
             report.steps = [(step[:80], round(secs, 2)) for step, secs in built.step_seconds]
     with timer("check"):
-        kernel_stage.check_image(plan, engine=engine, image=plan.tag, log=log, lock=context.lock)
+        kernel_stage.check_image(plan, engine=engine, image=plan.tag, log=log)
     report.phase_seconds = {k: round(v, 2) for k, v in timer.seconds.items()}
     report.total_seconds = round(time.monotonic() - started, 2)
     atomic_write_bytes(out_dir / "build-report.json", report.to_json().encode())

@@ -24,7 +24,6 @@ from build.kernels.store import KernelStore
 from build.log import EventLog
 from build.resolve import BuildPlan
 from build.sources import fetch_pinned
-from verify.lock import BuildLock
 
 
 @dataclass
@@ -77,7 +76,7 @@ def expected_costs(plan: BuildPlan, cache: CacheLayout) -> dict[str, tuple[str, 
     return states
 
 
-def check_image(plan: BuildPlan, *, engine: Engine, image: str, log: EventLog, lock: BuildLock) -> list[CheckRow]:
+def check_image(plan: BuildPlan, *, engine: Engine, image: str, log: EventLog) -> list[CheckRow]:
     """Re-run the GPU-free checks inside the built image, as its runtime user, without network."""
     return _run_checks(engine, image, kernel_check_config(None, plan=plan, check_lock=True), log=log,
                        what=f"image {image}")
