@@ -8,16 +8,16 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from build import proc
 from build.cache import CacheLayout
 from build.engine import Engine
 from build.errors import BuildFailure
-from build.log import EventLog
 from build.resolve import digest
 from build.spec import BaseRef, BootstrapBase
+from contracts.events import EventLog, Progress
 
 SPEC_LABEL = "io.ftimage.base.spec-sha256"
 
@@ -61,21 +61,28 @@ def bootstrap(base: BootstrapBase, engine: Engine, cache: CacheLayout, log: Even
     if os.geteuid() != 0:
         raise BuildFailure("debootstrap needs root to build a base filesystem",
                            f"run `sudo python -m build bootstrap-base {base.path}` once; later builds reuse it")
-    cache.scratch.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".tmp-base-", dir=cache.scratch) as tmp:
+    with cache.scratch_dir("base") as tmp:
         rootfs = Path(tmp) / "rootfs"
-        log.emit("bootstrap", f"debootstrap {base.suite} ({base.variant}) with {', '.join(base.packages)}")
+        progress = Progress(log, "bootstrap", base.name, expected_seconds=90.0, min_interval=5.0)
+        progress.update(None, f"debootstrap {base.suite} ({base.variant}) with {', '.join(base.packages)}",
+                        force=True)
         cmd = ["debootstrap", f"--variant={base.variant}", f"--include={','.join(sorted(base.packages))}",
                base.suite, str(rootfs), base.mirror]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
+        child = proc.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        output = []
+        for line in child.stdout:
+            output.append(line)
+            if line.startswith(("I: Retrieving", "I: Validating", "I: Unpacking", "I: Configuring", "I: Base")):
+                progress.update(None, line[3:].strip()[:100])
+        if child.wait() != 0:
+            tail = "\n".join("".join(output).splitlines()[-15:])
             raise BuildFailure(f"debootstrap failed for base {base.name}:\n{tail}",
                                f"check that {base.mirror} is reachable and the package names exist in {base.suite}")
         _trim_rootfs(rootfs)
         tarball = Path(tmp) / "rootfs.tar"
-        subprocess.run(["tar", "--sort=name", "--numeric-owner", "-C", str(rootfs), "-cf", str(tarball), "."],
-                       check=True)
+        proc.run(["tar", "--sort=name", "--numeric-owner", "-C", str(rootfs), "-cf", str(tarball), "."],
+                 check=True)
+        progress.finish("root filesystem ready")
         log.emit("bootstrap", "importing the root filesystem", size_mb=tarball.stat().st_size // 2 ** 20)
         image_id = engine.import_rootfs(tarball, tag, changes=[
             f"LABEL {SPEC_LABEL}={spec_sha}",

@@ -1,19 +1,22 @@
-"""The on-disk cache (wheels, sources, resolutions, kernel wheels) and atomic writes into it.
+"""The on-disk cache layout (wheels, sources, resolutions, kernel wheels, scratch).
 
-Every entry appears whole or not at all: content is written to a temporary name in the
-same directory, fsynced, then renamed into place, so a killed build leaves at most a
-`.tmp-*` leftover that is never read.
+Every entry appears whole or not at all (contracts.atomic): content is written to a
+temporary name in the same directory, fsynced, then renamed into place, so a killed build
+leaves at most a `.tmp-*` leftover that is never read and is swept on the next run.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 CACHE_ENV = "FTIMAGE_CACHE"
+MARKER = ".ftimage-cache"   # written into a cache root this tool created or adopted
 
 
 def default_cache_root() -> Path:
@@ -49,10 +52,56 @@ class CacheLayout:
         return self.root / "scratch"
 
     def wheel_path(self, sha256: str, filename: str) -> Path:
-        return self.wheels / sha256[:2] / sha256 / filename
+        return _under(self.wheels, sha256, filename)
 
     def source_path(self, sha256: str, filename: str) -> Path:
-        return self.sources / sha256[:2] / sha256 / filename
+        return _under(self.sources, sha256, filename)
+
+    @contextmanager
+    def scratch_dir(self, what: str):
+        """A scratch folder named after this process, removed when done; one a killed build
+        left behind is swept by the next build (sweep_scratch)."""
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        path = Path(tempfile.mkdtemp(prefix=f".tmp-{what}-{os.getpid()}-", dir=self.scratch))
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def sweep_scratch(self) -> list[str]:
+        """Remove scratch folders whose process is gone (a build killed with SIGKILL)."""
+        swept = []
+        if not self.scratch.is_dir():
+            return swept
+        for path in self.scratch.iterdir():
+            match = re.match(r"\.tmp-[a-z-]+-(\d+)-", path.name)
+            if match and not _alive(int(match.group(1))):
+                shutil.rmtree(path, ignore_errors=True)
+                swept.append(path.name)
+        return swept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _under(root: Path, sha256: str, filename: str) -> Path:
+    """root/ab/<sha256>/<filename>, refusing any name that would leave root (the names come
+    from specs and resolutions, which are user input)."""
+    if len(sha256) != 64 or not all(c in "0123456789abcdef" for c in sha256):
+        raise ValueError(f"not a sha256: {sha256!r}")
+    if not filename or "/" in filename or "\\" in filename or filename in (".", "..") or "\x00" in filename:
+        raise ValueError(f"not a plain file name: {filename!r}")
+    path = root / sha256[:2] / sha256 / filename
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise ValueError(f"{filename!r} resolves outside {root}")
+    return path
 
 
 def sha256_file(path: Path, chunk: int = 4 << 20) -> str:
@@ -63,70 +112,12 @@ def sha256_file(path: Path, chunk: int = 4 << 20) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_copy(src: Path, dest: Path) -> None:
-    """Copy src to dest so that dest is either absent or complete."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=dest.parent)
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, dest)
-        _fsync_dir(dest.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_publish_dir(staging: Path, dest: Path) -> bool:
-    """Rename a fully written staging directory into place. False if dest already exists."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    for path in staging.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
-    try:
-        os.rename(staging, dest)
-    except OSError:
-        if dest.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-            return False
-        raise
-    _fsync_dir(dest.parent)
-    return True
-
-
 def link_or_copy(src: Path, dest: Path) -> None:
     """Place a cached file into a build context cheaply (hard link when on one filesystem)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    if dest.exists():
+    if dest.exists() or dest.is_symlink():
         dest.unlink()
     try:
         os.link(src, dest)
     except OSError:
         shutil.copyfile(src, dest)
-

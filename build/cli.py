@@ -1,13 +1,7 @@
-"""`python -m build`: a thin CLI over the build library.
+"""`python -m build`: a thin CLI over the build library (see EPILOG for the commands).
 
-    python -m build images/<name>                 build the image end to end
-    python -m build images/<name> --plan [--json] print the resolved plan, build nothing
-    python -m build images/<name> --render DIR    write the build context, build nothing
-    python -m build bootstrap-base images/_bases/<base>
-    python -m build kernels list | export DIR | import DIR
-
-Exit codes: 0 ok; 2 invalid spec or incompatible pins; 1 a failed build (engine,
-download, compile, checks).
+Exit codes: 0 ok; 2 invalid spec, incompatible pins or bad arguments; 1 a failed build
+(engine, download, compile, checks, registry).
 """
 from __future__ import annotations
 
@@ -16,31 +10,51 @@ import json
 import sys
 from pathlib import Path
 
+from build import outdir
 from build.cache import CacheLayout, default_cache_root
-from build.errors import BuildFailure, Problems, SpecErrors
-from build.log import EventLog
+from build.errors import BuildFailure
+from contracts.events import EventLog
+from contracts.schema import InvalidInput
 
 EXIT_OK, EXIT_BUILD_FAILED, EXIT_BAD_SPEC = 0, 1, 2
 
 EPILOG = """\
 commands:
-  IMAGE_DIR                     build images/<name> (bootstrap bases if needed, fill the wheelhouse,
-                                compile or reuse kernels, render, build, check, tag <name>:<plan-key>)
+  IMAGE_DIR                     build images/<name>: bootstrap bases if needed, fill the wheelhouse,
+                                compile or reuse kernels, render, build, check, tag <name>:<plan-key>
+  IMAGE_DIR --plan [--json]     the resolved plan: toolchain, archs, each kernel's key, cache state,
+                                specialisation and expected compile cost (nothing is built)
+  IMAGE_DIR --render DIR        write the build context to DIR (a new or empty folder)
   IMAGE_DIR --kernels-only      only compile/check the plan's kernels into the cache
+  IMAGE_DIR --push REPOSITORY   build, then push to REGISTRY/REPO and record the digest
+  IMAGE_DIR --deploy-example {k8s,slurm}
+                                render a deploy example for the pushed image, pinned by digest
   bootstrap-base BASE_DIR       debootstrap + docker import a base from images/_bases/<base>/base.yaml
-  kernels list                  list the kernel wheel cache
+  kernels list                  list the kernel wheel cache (a corrupt entry is named)
   kernels export DIR            copy every cache entry to DIR (for another machine)
   kernels import DIR            import entries from DIR, verifying each wheel's sha256
+  kernels fetch IMAGE_DIR       download the image's pinned sources into the cache (to carry offline)
   kernels check WHEEL --image TAG --kernel NAME
                                 import a kernel wheel beside that image's torch (ABI + entry points)
+  kernels build-here IMAGE_DIR [--arch sm_90] [--out DIR] [--install DIR] [--lock FILE]
+                                compile and check the image's kernels on THIS machine, without Docker,
+                                for its own Python, torch and GPU
 
 environment:
   FTIMAGE_CACHE                 cache root (default ~/.cache/ftimage)
   SOURCE_DATE_EPOCH             timestamp for labels, SBOM and context mtimes (default: HEAD's commit time)
   DOCKER_HOST                   the Docker engine to use
 
-exit codes: 0 ok, 1 build failed, 2 invalid spec or incompatible pins
+exit codes: 0 ok, 1 build failed, 2 invalid spec or arguments
 """
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json-logs", action="store_true", help="progress as JSON lines on stderr (one event schema)")
+    p.add_argument("--cache", type=Path, default=None, help="cache root (default: $FTIMAGE_CACHE or ~/.cache/ftimage)")
+    p.add_argument("--manifest", type=Path, default=None, help="kernels manifest (default: ./kernels_manifest.yaml)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty folder this tool did not create "
+                   "(same-named files are overwritten; nothing else is deleted)")
 
 
 def _image_parser() -> argparse.ArgumentParser:
@@ -52,14 +66,15 @@ def _image_parser() -> argparse.ArgumentParser:
     mode.add_argument("--plan", action="store_true", help="print the resolved build plan and exit")
     mode.add_argument("--render", metavar="DIR", type=Path, help="write the build context to DIR and exit")
     mode.add_argument("--kernels-only", action="store_true",
-                      help="compile (or find in the cache) and check the plan's kernels, build no image; "
-                           "e.g. on a big builder machine before `kernels export`")
+                      help="compile (or find in the cache) and check the plan's kernels, build no image")
+    mode.add_argument("--deploy-example", choices=("k8s", "slurm"),
+                      help="render a deploy example for the pushed image (after --push)")
+    p.add_argument("--push", metavar="REPOSITORY", help="after the build, push to REGISTRY/REPO (e.g. "
+                   "registry.example.com:5000/team/qwen27b) and record the digest")
     p.add_argument("--json", action="store_true", help="with --plan or a build: print JSON instead of a table")
-    p.add_argument("--json-logs", action="store_true", help="progress as JSON lines on stderr")
-    p.add_argument("--manifest", type=Path, default=None, help="kernels manifest (default: ./kernels_manifest.yaml)")
     p.add_argument("--out", type=Path, default=None, help="output folder for context, lock, SBOM and report "
                    "(default: out/<name>)")
-    p.add_argument("--cache", type=Path, default=None, help="cache root (default: $FTIMAGE_CACHE or ~/.cache/ftimage)")
+    _common(p)
     return p
 
 
@@ -71,8 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] == "kernels":
             return _kernels(argv[1:])
         return _image(argv)
-    except SpecErrors as exc:
+    except InvalidInput as exc:
         print(exc.render(), file=sys.stderr)
+        return EXIT_BAD_SPEC
+    except outdir.UnsafeDirectory as exc:
+        print(f"error: {exc}\n    fix: {exc.fix}", file=sys.stderr)
         return EXIT_BAD_SPEC
     except BuildFailure as exc:
         print(exc.render(), file=sys.stderr)
@@ -82,8 +100,16 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _cache(path: Path | None) -> CacheLayout:
-    return CacheLayout(path or default_cache_root())
+def _cache(path: Path | None, *, force: bool = False, write: bool = True) -> CacheLayout:
+    root = Path(path or default_cache_root())
+    if write:
+        outdir.claim(root, outdir.CACHE_MARKER, what="cache folder", option="--cache or FTIMAGE_CACHE", force=force)
+    elif root.exists() and not root.is_dir():
+        raise outdir.UnsafeDirectory(f"cache folder {root} is a file", "point FTIMAGE_CACHE at a folder")
+    cache = CacheLayout(root)
+    if write:
+        cache.sweep_scratch()
+    return cache
 
 
 def _image(argv: list[str]) -> int:
@@ -92,9 +118,9 @@ def _image(argv: list[str]) -> int:
     from build.spec import MANIFEST_PATH
 
     plan = load_plan(Path(args.image_dir), args.manifest or MANIFEST_PATH)
-    cache = _cache(args.cache)
     log = EventLog(json_lines=args.json_logs)
     if args.plan:
+        cache = _cache(args.cache, write=False)
         if args.json:
             print(plan.to_json(), end="")
         else:
@@ -102,30 +128,39 @@ def _image(argv: list[str]) -> int:
             from build.plan_view import render_plan
             print(render_plan(plan, expected_costs(plan, cache)))
         return EXIT_OK
+    out_dir = args.out or Path("out") / plan.spec.name
+    if args.deploy_example:
+        from build.deploy import render_example
+        print(render_example(plan, out_dir, args.deploy_example), end="")
+        return EXIT_OK
+    cache = _cache(args.cache, force=args.force)
     if args.render:
-        from build.context import render_context
+        from build.context.render import render_context
         from build.wheelhouse import fill_wheelhouse
         resolution = fill_wheelhouse(plan, cache, log)
-        context = render_context(plan, args.render, wheels=resolution.wheels, cache=cache)
+        context = render_context(plan, args.render, wheels=resolution.wheels, cache=cache, force=args.force)
         print(f"rendered {context.files} files into {args.render} (context sha256 {context.digest[:16]})")
         print("note: compiled kernel wheels are added by a full build; bases are named, not bootstrapped")
         return EXIT_OK
     if args.kernels_only:
         return _kernels_only(plan, cache, log, as_json=args.json)
     from build.pipeline import build_image
-    out_dir = args.out or Path("out") / plan.spec.name
-    report = build_image(plan, cache=cache, out_dir=out_dir, log=log)
+
+    report = build_image(plan, cache=cache, out_dir=out_dir, log=log, force=args.force)
+    if args.push:
+        from build.push import push_image
+        push_image(report, args.push, out_dir=out_dir, log=log)
     print(report.to_json() if args.json else report.render(), end="\n")
     return EXIT_OK
 
 
 def _kernels_only(plan, cache: CacheLayout, log: EventLog, *, as_json: bool) -> int:
     from build.bootstrap import ensure_base
-    from build.engine import Engine
+    from build.engine import connect
     from build.kernels import provide_kernels
-    from build.plan_view import table
+    from contracts.table import render_table
 
-    engine = Engine.connect()
+    engine = connect()
     base = ensure_base(plan.spec.builder_base, engine, cache, log)
     provided = provide_kernels(plan, cache=cache, engine=engine, log=log, builder_base=base.ref)
     rows = [{"kernel": w.name, "key": w.key, "wheel": w.filename, "sha256": w.sha256, "archs": list(w.archs),
@@ -133,13 +168,106 @@ def _kernels_only(plan, cache: CacheLayout, log: EventLog, *, as_json: bool) -> 
     if as_json:
         print(json.dumps(rows, indent=2))
     else:
-        print(table([[r["kernel"], r["key"][:16], r["wheel"], ",".join(r["archs"]) or "-", r["cache"]] for r in rows],
-                    ["KERNEL", "KEY", "WHEEL", "SASS", "CACHE"]))
+        print(render_table([[r["kernel"], r["key"][:16], r["wheel"], ",".join(r["archs"]) or "-", r["cache"]]
+                            for r in rows], ["KERNEL", "KEY", "WHEEL", "SASS", "CACHE"]))
     return EXIT_OK
 
 
-def _kernels_check(args) -> int:
-    from build.engine import Engine
+def _bootstrap_base(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m build bootstrap-base",
+                                description="Build a base image locally with debootstrap and docker import "
+                                            "(idempotent: a base with the same spec hash is reused).")
+    p.add_argument("base_dir", type=Path, help="e.g. images/_bases/debian-bookworm")
+    _common(p)
+    args = p.parse_args(argv)
+    from build.bootstrap import bootstrap
+    from build.engine import connect
+    from build.spec import SpecErrors, load_bootstrap_base
+    from contracts.schema import Problems
+
+    problems = Problems()
+    base = load_bootstrap_base(args.base_dir, problems)
+    problems.raise_if_any(SpecErrors)
+    result = bootstrap(base, connect(), _cache(args.cache, force=args.force), EventLog(json_lines=args.json_logs))
+    print(json.dumps({"ref": result.ref, "id": result.id, "reused": result.reused}))
+    return EXIT_OK
+
+
+def _kernels_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m build kernels", description="Manage and build kernel wheels.")
+    sub = p.add_subparsers(dest="action", required=True)
+    _common(sub.add_parser("list", help="list cache entries"))
+    export = sub.add_parser("export", help="copy entries to DIR")
+    export.add_argument("directory", type=Path)
+    _common(export)
+    imp = sub.add_parser("import", help="import entries from DIR, verifying hashes")
+    imp.add_argument("directory", type=Path)
+    _common(imp)
+    fetch = sub.add_parser("fetch", help="download an image's pinned kernel sources into the cache")
+    fetch.add_argument("image_dir", type=Path)
+    _common(fetch)
+    check = sub.add_parser("check", help="run the import/ABI and entry-point checks of a kernel wheel inside an "
+                                         "image (beside that image's torch)")
+    check.add_argument("wheel", type=Path)
+    check.add_argument("--image", required=True, help="image tag whose torch the wheel must load against")
+    check.add_argument("--kernel", required=True, help="kernel name in the manifest (for its entry points)")
+    _common(check)
+    here = sub.add_parser("build-here", help="compile and check an image's kernels on this machine (no Docker)")
+    here.add_argument("image_dir", type=Path)
+    here.add_argument("--arch", action="append", default=[], help="target arch (default: this machine's GPU)")
+    here.add_argument("--out", type=Path, default=Path("out/kernels-here"))
+    here.add_argument("--install", type=Path, help="also install the wheels into this --target folder")
+    here.add_argument("--lock", type=Path, help="write a build lock for this machine to FILE")
+    here.add_argument("--cores", type=int, default=None, help="compile jobs in all (default: every core)")
+    _common(here)
+    return p
+
+
+def _kernels(argv: list[str]) -> int:
+    args = _kernels_parser().parse_args(argv)
+    log = EventLog(json_lines=args.json_logs)
+    if args.action == "check":
+        return _kernels_check(args, log)
+    if args.action == "build-here":
+        return _build_here(args, log)
+    from build.kernels.store import KernelStore
+
+    if args.action == "fetch":
+        from build.resolve import load_plan
+        from build.sources import fetch_pinned
+        from build.spec import MANIFEST_PATH
+
+        plan = load_plan(args.image_dir, args.manifest or MANIFEST_PATH)
+        cache = _cache(args.cache, force=args.force)
+        for kernel in plan.kernels:
+            for source in kernel.sources:
+                print(fetch_pinned(source, cache, log))
+        return EXIT_OK
+    store = KernelStore(_cache(args.cache, force=args.force, write=args.action != "list"))
+    if args.action == "list":
+        for state in store.states():
+            if state.entry is None:
+                print(f"{state.key[:16]}  CORRUPT: {state.detail} (the next build replaces it)")
+                continue
+            m = state.entry.meta
+            print(f"{state.key[:16]}  {m['kernel']} {m['version']}  {m['wheel']}  archs={','.join(m['archs']['sass'])}"
+                  f"  compiled in {m.get('duration_s', '?')}s")
+        return EXIT_OK
+    if args.action == "export":
+        outdir.claim(args.directory, outdir.OUTPUT_MARKER, what="export folder", option="kernels export",
+                     force=args.force)
+        keys = store.export(args.directory)
+        print(f"exported {len(keys)} entries to {args.directory}")
+        return EXIT_OK
+    imported, rejected = store.import_from(args.directory)
+    print(f"imported {len(imported)} entries; rejected {len(rejected)}")
+    for key, why in rejected:
+        print(f"  rejected {key[:64]}: {why}", file=sys.stderr)
+    return EXIT_BUILD_FAILED if rejected else EXIT_OK
+
+
+def _kernels_check(args, log: EventLog) -> int:
+    from build.engine import connect
     from build.kernels import check_wheel_in_image
     from build.spec import MANIFEST_PATH, load_manifest
 
@@ -149,62 +277,21 @@ def _kernels_check(args) -> int:
         raise BuildFailure(f"unknown kernel {args.kernel!r}", f"use one of: {', '.join(sorted(manifest.kernels))}")
     if not args.wheel.is_file():
         raise BuildFailure(f"no wheel at {args.wheel}", "pass the path of a kernel wheel (see `kernels list`)")
-    rows = check_wheel_in_image(args.wheel, kernel, engine=Engine.connect(), image=args.image, log=EventLog())
+    rows = check_wheel_in_image(args.wheel, kernel, engine=connect(), image=args.image, log=log)
     print(f"{len(rows)} checks passed")
     return EXIT_OK
 
 
-def _bootstrap_base(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m build bootstrap-base",
-                                description="Build a base image locally with debootstrap and docker import "
-                                            "(idempotent: a base with the same spec hash is reused).")
-    p.add_argument("base_dir", type=Path, help="e.g. images/_bases/debian-bookworm")
-    p.add_argument("--json-logs", action="store_true")
-    p.add_argument("--cache", type=Path, default=None)
-    args = p.parse_args(argv)
-    from build.bootstrap import bootstrap
-    from build.engine import Engine
-    from build.spec import load_bootstrap_base
+def _build_here(args, log: EventLog) -> int:
+    from build.kernels.host import build_here
+    from build.resolve.host import host_arch
+    from build.spec import MANIFEST_PATH
 
-    problems = Problems()
-    base = load_bootstrap_base(args.base_dir, problems)
-    problems.raise_if_any()
-    result = bootstrap(base, Engine.connect(), _cache(args.cache), EventLog(json_lines=args.json_logs))
-    print(json.dumps({"ref": result.ref, "id": result.id, "reused": result.reused}))
+    archs = tuple(args.arch) or tuple(a for a in [host_arch()] if a)
+    if not archs:
+        raise BuildFailure("no GPU here to build for", "pass --arch sm_90 (or the arch you will run on)")
+    summary = build_here(args.image_dir, manifest_path=args.manifest or MANIFEST_PATH,
+                         cache=_cache(args.cache, force=args.force), out=args.out, archs=archs, log=log,
+                         cores=args.cores, install=args.install, lock_path=args.lock, force=args.force)
+    print(json.dumps(summary, indent=2, sort_keys=True))
     return EXIT_OK
-
-
-def _kernels(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m build kernels", description="Manage the kernel wheel cache.")
-    p.add_argument("--cache", type=Path, default=None)
-    sub = p.add_subparsers(dest="action", required=True)
-    sub.add_parser("list", help="list cache entries")
-    sub.add_parser("export", help="copy entries to DIR").add_argument("directory", type=Path)
-    sub.add_parser("import", help="import entries from DIR, verifying hashes").add_argument("directory", type=Path)
-    check = sub.add_parser("check", help="run the import/ABI and entry-point checks of a kernel wheel inside an "
-                                         "image (beside that image's torch)")
-    check.add_argument("wheel", type=Path)
-    check.add_argument("--image", required=True, help="image tag whose torch the wheel must load against")
-    check.add_argument("--kernel", required=True, help="kernel name in the manifest (for its entry points)")
-    check.add_argument("--manifest", type=Path, default=None)
-    args = p.parse_args(argv)
-    if args.action == "check":
-        return _kernels_check(args)
-    from build.kernels.store import KernelStore
-
-    store = KernelStore(_cache(args.cache))
-    if args.action == "list":
-        for entry in store.entries():
-            m = entry.meta
-            print(f"{entry.key[:16]}  {m['kernel']} {m['version']}  {m['wheel']}  archs={','.join(m['archs']['sass'])}"
-                  f"  compiled in {m.get('duration_s', '?')}s")
-        return EXIT_OK
-    if args.action == "export":
-        keys = store.export(args.directory)
-        print(f"exported {len(keys)} entries to {args.directory}")
-        return EXIT_OK
-    imported, rejected = store.import_from(args.directory)
-    print(f"imported {len(imported)} entries; rejected {len(rejected)}")
-    for key in rejected:
-        print(f"  rejected {key}: missing meta.json or wheel sha256 mismatch", file=sys.stderr)
-    return EXIT_BUILD_FAILED if rejected else EXIT_OK

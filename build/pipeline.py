@@ -3,22 +3,26 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from build import kernels as kernel_stage
+from build import outdir
 from build.bootstrap import ensure_base
-from build.cache import CacheLayout, atomic_write_bytes
-from build.context import render_context
-from build.engine import Engine
-from build.log import EventLog, PhaseTimer
+from build.cache import CacheLayout
+from build.context.render import render_context
+from build.engine import Engine, connect
 from build.resolve import BuildPlan
 from build.wheelhouse import fill_wheelhouse
+from contracts import atomic
+from contracts.events import EventLog
 
 CONTEXT_LABEL = "io.ftimage.context.sha256"
 LOCK_LABEL = "io.ftimage.lock.sha256"
 BASE_ID_LABEL = "io.ftimage.base.id"
+IMAGE_LABEL = "io.ftimage.image"
 
 
 @dataclass
@@ -33,6 +37,8 @@ class BuildReport:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     cache: dict[str, Any] = field(default_factory=dict)
     steps: list[tuple[str, float]] = field(default_factory=list)
+    pruned: list[str] = field(default_factory=list)
+    pushed: dict[str, str] = field(default_factory=dict)    # filled by `--push`: repository, digest, reference
     total_seconds: float = 0.0
 
     def to_json(self) -> str:
@@ -44,18 +50,40 @@ class BuildReport:
                  "", f"{'PHASE':<12} {'SECONDS':>8}"]
         lines += [f"{phase:<12} {secs:>8.1f}" for phase, secs in self.phase_seconds.items()]
         lines += [f"{'total':<12} {self.total_seconds:>8.1f}", "", "CACHE"]
-        for what, state in self.cache.items():
-            lines.append(f"  {what:<30} {state}")
+        lines += [f"  {what:<30} {state}" for what, state in self.cache.items()]
+        if self.pruned:
+            lines += ["", f"pruned superseded images: {', '.join(self.pruned)}"]
+        if self.pushed:
+            lines += ["", f"pushed {self.pushed['reference']}"]
         return "\n".join(lines)
 
 
+class PhaseTimer:
+    """Wall time per phase, for the build report; each phase is also an event."""
+
+    def __init__(self, log: EventLog):
+        self.log = log
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            elapsed = time.monotonic() - started
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + elapsed
+            self.log.emit(phase, f"{phase} done in {elapsed:.1f}s", elapsed=elapsed)
+
+
 def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: EventLog,
-                engine: Engine | None = None) -> BuildReport:
+                engine: Engine | None = None, force: bool = False) -> BuildReport:
     started = time.monotonic()
+    outdir.claim(out_dir, outdir.OUTPUT_MARKER, what="output folder", option="--out", force=force)
     timer = PhaseTimer(log)
     report = BuildReport(image=plan.spec.name, tag=plan.tag, plan_key=plan.plan_key)
     with timer("engine"):
-        engine = engine or Engine.connect()
+        engine = engine or connect()
     with timer("bases"):
         bases = {stage: ensure_base(ref, engine, cache, log)
                  for stage, ref in (("builder", plan.spec.builder_base), ("runtime", plan.spec.runtime_base))}
@@ -77,24 +105,42 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
         report.lock_sha256 = context.lock.sha256()
         report.context_sha256 = context.digest
         for name in ("build.lock.json", "sbom.cdx.json"):
-            atomic_write_bytes(out_dir / name, (context.directory / name).read_bytes())
+            atomic.write_bytes(out_dir / name, (context.directory / name).read_bytes())
     with timer("image"):
         existing = engine.image(plan.tag)
         labels = (existing or {}).get("Config", {}).get("Labels") or {}
         if existing and labels.get(CONTEXT_LABEL) == context.digest:
-            log.emit("engine", f"image cache hit: {plan.tag} was built from this exact context")
+            log.emit("image", f"image cache hit: {plan.tag} was built from this exact context")
             report.cache["image"] = "hit"
             report.image_id, report.size_bytes = existing["Id"], int(existing.get("Size", 0))
         else:
             report.cache["image"] = "miss"
             built = engine.build(context.directory, plan.tag, log=log, labels={
-                CONTEXT_LABEL: context.digest, LOCK_LABEL: report.lock_sha256,
-                BASE_ID_LABEL: bases["runtime"].id})
+                **context.labels, CONTEXT_LABEL: context.digest, LOCK_LABEL: report.lock_sha256,
+                BASE_ID_LABEL: bases["runtime"].id, IMAGE_LABEL: plan.spec.name})
             report.image_id, report.size_bytes = built.id, built.size_bytes
             report.steps = [(step[:80], round(secs, 2)) for step, secs in built.step_seconds]
     with timer("check"):
         kernel_stage.check_image(plan, engine=engine, image=plan.tag, log=log)
+    with timer("prune"):
+        report.pruned = prune_superseded(engine, plan, report.image_id, log)
     report.phase_seconds = {k: round(v, 2) for k, v in timer.seconds.items()}
     report.total_seconds = round(time.monotonic() - started, 2)
-    atomic_write_bytes(out_dir / "build-report.json", report.to_json().encode())
+    atomic.write_text(out_dir / "build-report.json", report.to_json())
     return report
+
+
+def prune_superseded(engine: Engine, plan: BuildPlan, keep_id: str, log: EventLog) -> list[str]:
+    """Remove older images of this image name (other plan keys): they fill the disk the next
+    build needs. An image still used by a container is kept."""
+    pruned = []
+    for image in engine.images_with_label(f"{IMAGE_LABEL}={plan.spec.name}"):
+        if image.get("Id") == keep_id:
+            continue
+        for tag in image.get("RepoTags") or [image["Id"]]:
+            if tag.startswith(f"{plan.spec.name}:") or tag == image["Id"]:
+                engine.remove(tag)
+                pruned.append(tag)
+    if pruned:
+        log.emit("prune", f"removed superseded images: {', '.join(pruned)}")
+    return pruned

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from build.cache import CacheLayout, sha256_file
 from build.errors import BuildFailure
-from build.log import EventLog
 from build.spec import PinnedFile
+from contracts.events import EventLog, Progress
 
 
 def fetch_pinned(pinned: PinnedFile, cache: CacheLayout, log: EventLog) -> Path:
@@ -30,15 +30,19 @@ def fetch_pinned(pinned: PinnedFile, cache: CacheLayout, log: EventLog) -> Path:
     if not pinned.url:
         raise BuildFailure(f"{pinned.filename} is not cached and has no pinned URL",
                            "add its url to kernels_manifest.yaml, or import it with `python -m build kernels import`")
-    log.emit("sources", f"downloading {pinned.filename}")
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=dest.parent)
     digest = hashlib.sha256()
     try:
         with os.fdopen(fd, "wb") as out, urllib.request.urlopen(pinned.url, timeout=120) as response:
+            size = int(response.headers.get("Content-Length") or 0) or None
+            progress = Progress(log, "download", pinned.filename, total=size, min_interval=2.0)
+            done = 0
             while block := response.read(1 << 20):
                 digest.update(block)
                 out.write(block)
+                done += len(block)
+                progress.update(done, "downloading")
             out.flush()
             os.fsync(out.fileno())
         if digest.hexdigest() != pinned.sha256:
@@ -47,6 +51,7 @@ def fetch_pinned(pinned: PinnedFile, cache: CacheLayout, log: EventLog) -> Path:
                 f"but kernels_manifest.yaml pins {pinned.sha256}: the download is corrupt or tampered",
                 "do not re-pin blindly: check the file's origin, then fix the sha256 or the URL")
         os.replace(tmp, dest)
+        progress.finish(f"{done >> 20} MiB, sha256 verified")
     except (urllib.error.URLError, OSError) as exc:
         raise BuildFailure(f"cannot download {pinned.filename} from {pinned.url}: {exc}",
                            "check network access to the URL, or import the file with "

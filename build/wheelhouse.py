@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-import subprocess
 import sys
-import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
-from build.cache import CacheLayout, atomic_copy, atomic_write_bytes, sha256_file
+from build import proc
+from build.cache import CacheLayout, sha256_file
 from build.errors import BuildFailure
-from build.log import EventLog
 from build.resolve import BuildPlan, digest
+from contracts import atomic
+from contracts.events import EventLog, Progress
+
+RECORD_SCHEMA = 2
 
 # glibc of the bootstrapped Debian bookworm bases is 2.36: accept manylinux tags up to it.
 _GLIBC_MAX_MINOR = 36
@@ -65,18 +68,23 @@ def resolve_closure(requirements: tuple[str, ...], *, plan: BuildPlan, cache: Ca
                   "python": plan.toolchain.python, "platform": plan.spec.platform, "schema": 1})
     record = cache.resolutions / f"{key}.json"
     if record.is_file():
-        wheels = _read_resolution(record)
+        wheels, problem = _read_resolution(record, plan)
         missing = [w.filename for w in wheels or () if not cache.wheel_path(w.sha256, w.filename).is_file()]
         if wheels is not None and not missing:
             verify_cached_wheels(wheels, cache)
             log.emit("wheelhouse", f"{purpose}: resolution cache hit, {len(wheels)} wheels", key=key[:12])
             return Resolution(key=key, wheels=wheels, cache_hit=True)
+        if problem:
+            log.emit("wheelhouse", f"{purpose}: the cached resolution {record.name} is unusable ({problem}); "
+                     "resolving again")
         if missing:  # e.g. evicted after failing its hash: fetch again rather than fail
             log.emit("wheelhouse", f"{purpose}: {len(missing)} cached wheel(s) missing, fetching again",
                      first=missing[0])
     log.emit("wheelhouse", f"{purpose}: resolving and downloading the Python closure with pip", key=key[:12])
     wheels = _download(requirements, plan, cache, log)
-    atomic_write_bytes(record, (json.dumps([w.__dict__ for w in wheels], indent=1, sort_keys=True) + "\n").encode())
+    body = [asdict(w) for w in wheels]
+    atomic.write_json(record, {"schema": RECORD_SCHEMA, "wheels": body, "sha256": digest(body)}, indent=1,
+                      sort_keys=True)
     return Resolution(key=key, wheels=wheels, cache_hit=False)
 
 
@@ -93,19 +101,28 @@ def verify_cached_wheels(wheels: tuple[Wheel, ...], cache: CacheLayout) -> None:
                 "re-run the build: the wheel is fetched again and checked against the same hash")
 
 
-def _read_resolution(record: Path) -> tuple[Wheel, ...] | None:
+def _read_resolution(record: Path, plan: BuildPlan) -> tuple[tuple[Wheel, ...] | None, str]:
+    """A record is used only if it is intact (its own sha256 matches) and holds the pinned torch:
+    an edited, emptied or truncated record must never yield a torch-less image."""
     try:
-        return tuple(Wheel(**w) for w in json.loads(record.read_text()))
-    except (OSError, ValueError, TypeError):
-        record.unlink(missing_ok=True)  # unreadable record: resolve again rather than fail
-        return None
+        data = json.loads(record.read_text())
+        body = data["wheels"]
+        if data.get("schema") != RECORD_SCHEMA or data.get("sha256") != digest(body):
+            return None, "its own sha256 does not match: edited or truncated"
+        wheels = tuple(Wheel(**w) for w in body)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None, "unreadable"
+    for w in wheels:
+        if not re.fullmatch(r"[0-9a-f]{64}", w.sha256) or "/" in w.filename or w.filename.startswith("."):
+            return None, f"an invalid entry {w.filename[:40]!r}"
+    if not any(w.name == "torch" and w.sha256 == plan.torch_wheel.sha256 for w in wheels):
+        return None, "it does not hold the pinned torch wheel"
+    return wheels, ""
 
 
 def _download(requirements: tuple[str, ...], plan: BuildPlan, cache: CacheLayout,
               log: EventLog) -> tuple[Wheel, ...]:
-    cache.scratch.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".tmp-dl-", dir=cache.scratch) as tmp:
-        tmpdir = Path(tmp)
+    with cache.scratch_dir("download") as tmpdir:
         reqs = tmpdir / "requirements.in"
         reqs.write_text("\n".join([f"torch=={plan.toolchain.torch_version}", *requirements]) + "\n")
         cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
@@ -114,14 +131,18 @@ def _download(requirements: tuple[str, ...], plan: BuildPlan, cache: CacheLayout
                "-r", str(reqs)]
         for tag in platform_tags(plan.spec.platform):
             cmd += ["--platform", tag]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PIP_NO_INPUT": "1"})
-        if proc.returncode != 0:
-            detail = "\n".join(line for line in proc.stderr.splitlines() if "is ignored" not in line)[-2000:]
+        progress = Progress(log, "download", "pip", expected_seconds=60.0, min_interval=10.0)
+        progress.update(None, f"pip download of {len(requirements) + 1} pinned requirements and their closure",
+                        force=True)
+        child = proc.run(cmd, capture_output=True, text=True, env={**os.environ, "PIP_NO_INPUT": "1"})
+        if child.returncode != 0:
+            detail = "\n".join(line for line in child.stderr.splitlines() if "is ignored" not in line)[-2000:]
             raise BuildFailure(f"pip could not resolve the image's Python requirements:\n{detail}",
                                "check python.requirements in image.yaml against what your index serves")
         wheels = []
         for path in sorted((tmpdir / "dl").iterdir()):
             wheels.append(_store(path, cache))
+        progress.finish(f"{len(wheels)} wheels downloaded and hashed")
     _check_torch_pin(plan, wheels)
     log.emit("wheelhouse", f"stored {len(wheels)} wheels", total_mb=round(sum(
         cache.wheel_path(w.sha256, w.filename).stat().st_size for w in wheels) / 2 ** 20))
@@ -137,7 +158,7 @@ def _store(path: Path, cache: CacheLayout) -> Wheel:
     sha = sha256_file(path)
     dest = cache.wheel_path(sha, path.name)
     if not dest.is_file():
-        atomic_copy(path, dest)
+        atomic.copy_file(path, dest)
     return Wheel(name=str(canonicalize_name(name)), version=str(version), filename=path.name, sha256=sha)
 
 

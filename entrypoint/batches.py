@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from entrypoint.collate import collate_packed
-from entrypoint.data import IGNORE, Corpus
+from contracts.collate import IGNORE_INDEX, collate_packed
+from entrypoint.data import Corpus
 
 
 @dataclass
@@ -27,7 +27,7 @@ class MicroBatch:
 
     @property
     def n_loss(self) -> int:
-        return int((self.labels[:, 1:] != IGNORE).sum())
+        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
 
 
 def build_micro_batch(corpus: Corpus, doc_ids: list[int], *, packed: bool, budget: int,
@@ -43,7 +43,7 @@ def build_micro_batch(corpus: Corpus, doc_ids: list[int], *, packed: bool, budge
 def _collate_padded(corpus: Corpus, doc_ids: list[int], lengths: list[int], pad_token_id: int) -> MicroBatch:
     width = max(lengths)
     ids = np.full((len(doc_ids), width), pad_token_id, dtype=np.int64)
-    labels = np.full((len(doc_ids), width), IGNORE, dtype=np.int64)
+    labels = np.full((len(doc_ids), width), IGNORE_INDEX, dtype=np.int64)
     mask = np.zeros((len(doc_ids), width), dtype=np.int64)
     for row, (i, n) in enumerate(zip(doc_ids, lengths)):
         a = int(corpus.offsets[i])

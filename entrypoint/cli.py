@@ -67,8 +67,7 @@ def info(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m entrypoint info", description="summarize the build lock")
     parser.add_argument("--json", action="store_true", help="print the raw lock JSON")
     args = parser.parse_args(argv)
-    from verify.lock import LockError, load_lock, lock_path
-
+    from contracts.lock import LockError, load_lock, lock_path
     from entrypoint.info import summarize
 
     try:
@@ -100,7 +99,7 @@ def finetune_parser() -> argparse.ArgumentParser:
 
 
 def finetune(argv: list[str]) -> int:
-    from entrypoint.config import ConfigError
+    from contracts.finetune_config import ConfigError
     from entrypoint.finetune import FinetuneError, prepare
 
     args = finetune_parser().parse_args(argv)

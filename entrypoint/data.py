@@ -11,13 +11,14 @@ reason in BadRows, which the run report and the console carry.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
-IGNORE = -100
+from contracts.collate import IGNORE_INDEX
+
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -61,7 +62,7 @@ class Corpus:
     """
 
     tokens: np.ndarray        # int32 [total]
-    labels: np.ndarray        # int32 [total], IGNORE where no loss
+    labels: np.ndarray        # int32 [total], IGNORE_INDEX where no loss
     offsets: np.ndarray       # int64 [n_docs + 1]
     rows: np.ndarray          # int64 [n_docs], source row number of each document
     bad: BadRows
@@ -75,7 +76,7 @@ class Corpus:
         return len(self.offsets) - 1
 
     def document(self, i: int):
-        from entrypoint.collate import Document
+        from contracts.collate import Document
 
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return Document(input_ids=self.tokens[a:b].tolist(), labels=self.labels[a:b].tolist())
@@ -103,7 +104,7 @@ def read_rows(path: str, fmt: str = "auto", max_rows: int = 0) -> Iterator[tuple
 
         try:
             table = pq.ParquetFile(str(p))
-        except Exception as exc:  # pyarrow raises several types for a damaged file
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
             raise DataError(f"cannot read parquet {p}: {exc}", "check the file, or set data.format=jsonl") from None
         for batch in table.iter_batches(batch_size=4096):
             for row in batch.to_pylist():
@@ -186,7 +187,7 @@ def assistant_spans(text: str, messages: list[dict], eot: str) -> list[tuple[int
 
 def label_tokens(offsets: np.ndarray, ids: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
     """-100 except tokens that START inside an assistant span (vectorised)."""
-    labels = np.full(len(ids), IGNORE, dtype=np.int32)
+    labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int32)
     if not spans:
         return labels
     starts = np.array([s for s, _ in spans])
@@ -219,11 +220,11 @@ def tokenize_rows(rows: Iterator[tuple[int, object]], tokenizer, *, messages_fie
                     bad.add("overlong", row)
                     continue
                 ids, labels = ids[:max_length], labels[:max_length]
-                if not (labels[1:] != IGNORE).any():
+                if not (labels[1:] != IGNORE_INDEX).any():
                     bad.add("overlong_no_loss_after_truncation", row)
                     continue
                 bad.truncated += 1
-            if not (labels[1:] != IGNORE).any():
+            if not (labels[1:] != IGNORE_INDEX).any():
                 bad.add("no_loss_tokens", row)
                 continue
             tok_chunks.append(ids)
@@ -240,7 +241,7 @@ def tokenize_rows(rows: Iterator[tuple[int, object]], tokenizer, *, messages_fie
             continue
         try:
             text = tokenizer.apply_chat_template(messages, tokenize=False)
-        except Exception:  # jinja raises arbitrary template exceptions (e.g. raise_exception on role order)
+        except Exception:  # noqa: BLE001 - jinja raises arbitrary exceptions (raise_exception on role order)
             bad.add("chat_template_rejected", row)
             continue
         spans = assistant_spans(text, messages, eot)

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-from entrypoint.config import FinetuneConfig, build_config, parse_override, read_yaml, set_dotted
+from contracts.finetune_config import FinetuneConfig, build_config, parse_override, read_yaml, set_dotted
 from entrypoint.gate import GateOutcome, run_verify
 from entrypoint.launch import LaunchError, cache_env, resolve_topology, torchrun_argv, worker_env, write_plan
-
 
 EXIT_GATE = 3  # verify did not pass and --allow-fallback was not given
 
@@ -36,8 +35,7 @@ class Launch:
 def lock_layer(log: Callable[[str], None]) -> tuple[dict, dict | None]:
     """The image's finetune_defaults (lowest config layer) and a lock summary for the report.
     Outside an image there is no lock: defaults only, and we say so."""
-    from verify.lock import LockError, load_lock, lock_path
-
+    from contracts.lock import LockError, load_lock, lock_path
     from entrypoint.info import lock_summary_dict
 
     try:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from verify.lock import BuildLock
+from contracts.lock import BuildLock
 
 
 def summarize(lock: BuildLock, path: str) -> str:

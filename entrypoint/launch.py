@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from entrypoint.config import FinetuneConfig
+from contracts.finetune_config import FinetuneConfig
 
 
 class LaunchError(Exception):

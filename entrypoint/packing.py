@@ -15,7 +15,7 @@ list of free-space keys.
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

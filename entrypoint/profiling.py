@@ -1,8 +1,8 @@
 """`output.profile_steps=a:b`: a torch.profiler trace over steps [a, b), top ops, ops per step."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from contracts.finetune_config import ConfigError, from_dict
 from entrypoint.checkpoint import CheckpointError
-from entrypoint.config import ConfigError, from_dict
 from entrypoint.data import DataError
 from entrypoint.model import ModelError
 from entrypoint.sampler import SamplerStateError

@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from contracts.collate import IGNORE_INDEX
+from contracts.finetune_config import FinetuneConfig, parse_profile_steps
 from entrypoint.batches import MicroBatch, build_micro_batch
 from entrypoint.checkpoint import Checkpointer, export_hf, list_checkpoints
-from entrypoint.config import FinetuneConfig, parse_profile_steps
-from entrypoint.data import IGNORE, Corpus, corpus_key, load_corpus, read_corpus, save_corpus
+from entrypoint.data import Corpus, corpus_key, load_corpus, read_corpus, save_corpus
 from entrypoint.metrics import FlopModel, IntervalMeter, MetricsWriter, device_peak_flops, flop_model
 from entrypoint.model import load_model_for_sharding, load_tokenizer, materialize, resolve_attention
 from entrypoint.parallelize import DTYPES, apply_activation_checkpointing, apply_fsdp
@@ -51,7 +52,7 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
 
 
 def _ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def chunked_ce_sum(logits: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -140,7 +141,7 @@ class Trainer:
         return self.plan["packing"]["effective"] == "packed"
 
     @classmethod
-    def build(cls, cfg: FinetuneConfig, plan: dict, rank: int, world: int, device: torch.device) -> "Trainer":
+    def build(cls, cfg: FinetuneConfig, plan: dict, rank: int, world: int, device: torch.device) -> Trainer:
         con = Console(rank)
         out = Path(cfg.output.dir)
         packed = plan["packing"]["effective"] == "packed"

@@ -10,9 +10,9 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import CodeType
-from typing import Callable, Iterator, Mapping
 
 
 def innermost_code(func: Callable) -> CodeType | None:

@@ -24,6 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
     p.add_argument("--json-file", metavar="PATH", help="also write the JSON report to PATH (the table still prints)")
     p.add_argument("--deep", action="store_true", help="hash every installed file against RECORD, even huge ones")
+    p.add_argument("--model", metavar="DIR", help="the model to be trained (its config.json): refused if it needs "
+                   "head dims, dtypes or features the image's kernels were not compiled for")
+    p.add_argument("--param-dtype", default="bfloat16", help="the dtype training runs in (bfloat16, float16, "
+                   "float32); refused if the image's kernels lack it")
     return p
 
 
@@ -33,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     # failed for another reason; our dispatch rows give the real cause, so keep stderr quiet.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
-        report = run_checks(args.checks, device=args.device, lock=args.lock, deep=args.deep)
+        report = run_checks(args.checks, device=args.device, lock=args.lock, deep=args.deep, model=args.model,
+                            param_dtype=args.param_dtype)
     except UsageError as exc:
         report = Report.of([CheckResult("usage", Status.FAIL, str(exc), exc.fix)])
     if args.json_file:

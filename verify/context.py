@@ -1,10 +1,38 @@
-"""What every check gets: the lock (or why it is missing), the device, the model family."""
+"""What every check gets: the lock (or why it is missing), the device, the model family, the
+model being trained (its config, if one is mounted), and what the family needs fused.
+
+What backs a function comes from the lock (build/ recorded the manifest's `replaces:`), never
+from a table here; the family only names the functions and how boundaries reach them.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from verify.families import Family
-from verify.lock import BuildLock, LockedKernel
+from contracts.lock import BuildLock, LockedKernel
+from families import Family, FusedFunction
+
+
+@dataclass(frozen=True)
+class FusedNeed:
+    """One function the family needs fused, joined with the lock's kernel that backs it (if any)."""
+
+    function: str                  # e.g. "chunk_gated_delta_rule" (the lock's `replaces` vocabulary)
+    wrapper: str                   # the modeling module's wrapped attribute
+    boundary_kwarg: str            # how document boundaries reach the kernel (seq_idx, cu_seqlens)
+    kernel: LockedKernel | None    # None: the image has no kernel for it
+
+    @property
+    def symbol(self) -> str:
+        return self.kernel.python_api.get(self.function, "") if self.kernel else ""
+
+    @property
+    def forward_kernels(self) -> tuple[str, ...]:
+        return tuple(self.kernel.profile_kernels.get("forward", ())) if self.kernel else ()
+
+    @property
+    def backward_kernels(self) -> tuple[str, ...]:
+        return tuple(self.kernel.profile_kernels.get("backward", ())) if self.kernel else ()
 
 
 @dataclass(frozen=True)
@@ -13,14 +41,28 @@ class Context:
     device: str                    # "cuda" or "cpu", already resolved from --device
     family: Family | None
     deep: bool = False             # hash every installed file, even huge ones
+    model_config: dict[str, Any] | None = None   # the config.json of the model to be trained, if given
+    model_source: str = ""         # where model_config came from (a path), for messages
+    param_dtype: str = "bfloat16"  # the dtype training runs the model in
+    extra: dict[str, Any] = field(default_factory=dict)
 
-    def lock_kernel_for(self, replaces: str) -> LockedKernel | None:
+    def kernel_for(self, function: str) -> LockedKernel | None:
+        """The lock's (first) kernel wheel that backs `function`, e.g. causal_conv1d_fn."""
         if self.lock is None:
             return None
-        for kernel in self.lock.kernels:
-            if replaces in kernel.replaces:
-                return kernel
-        return None
+        found = self.lock.kernels_replacing(function)
+        return found[0] if found else None
+
+    def need(self, fused: FusedFunction) -> FusedNeed:
+        return FusedNeed(function=fused.function, wrapper=fused.wrapper, boundary_kwarg=fused.boundary_kwarg,
+                         kernel=self.kernel_for(fused.function))
+
+    def needs(self) -> tuple[FusedNeed, ...]:
+        return tuple(self.need(f) for f in self.family.fused_functions) if self.family else ()
+
+    @property
+    def attention_kernel(self) -> LockedKernel | None:
+        return self.kernel_for(self.family.attention.replaces) if self.family else None
 
     @property
     def attn_implementation(self) -> str:
@@ -28,3 +70,12 @@ class Context:
         if self.lock is not None and self.lock.attn_implementation:
             return self.lock.attn_implementation
         return self.family.attention.implementation if self.family else "sdpa"
+
+    @property
+    def probe_head_dim(self) -> int | None:
+        """verify's probes run attention at a head dim the image compiled (a specialised
+        flash-attn rightly refuses any other), else at the family's own."""
+        kernel = self.attention_kernel
+        if kernel is not None and kernel.specialisation.head_dims:
+            return kernel.specialisation.head_dims[0]
+        return self.family.attention.head_dims[0] if self.family else None

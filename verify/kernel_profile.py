@@ -6,8 +6,8 @@ pass that launched it without relying on autograd-thread correlation.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 from verify.report import CheckResult, Status
 

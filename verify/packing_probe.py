@@ -20,15 +20,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from entrypoint.collate import Document, collate_packed, collate_unpacked
+from contracts.collate import Document, collate_packed, collate_unpacked
+from families import Family
+from families import runtime as family_runtime
+from verify.probe import BUDGET, DOC_LENGTHS, batch_to, sample_documents, token_loss_sum
 
 KINDS = ("attention", "gdn", "conv")
-# 3 documents so there are two real boundaries, plus padding so the dummy document is exercised.
-# Lengths are not multiples of the GDN chunk (64) so a boundary falls inside a chunk.
-DOC_LENGTHS = (40, 24, 33)
-BUDGET = 112
 
 
 @dataclass
@@ -68,17 +66,11 @@ def withhold_boundaries(batch: dict) -> dict:
             "position_ids": torch.arange(n, device=batch["input_ids"].device)[None]}
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token loss; a sum (not a mean) so per-document losses add up to the packed one."""
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
-                           ignore_index=-100, reduction="sum")
-
-
 class _Recorder:
     """Hooks that record (and optionally force) per-layer tensors as (T, features)."""
 
-    def __init__(self, model, module, conv_wrapper: str):
-        self.model, self.module, self.conv_wrapper = model, module, conv_wrapper
+    def __init__(self, model, module, family: Family, conv_wrapper: str):
+        self.model, self.module, self.family, self.conv_wrapper = model, module, family, conv_wrapper
         self.mixer_in: dict[int, torch.Tensor] = {}
         self.mixer_out: dict[int, torch.Tensor] = {}
         self.conv_out: dict[int, torch.Tensor] = {}
@@ -88,9 +80,10 @@ class _Recorder:
         self.conv_kwargs: set[str] = set()
 
     def mixers(self):
-        for idx, layer in enumerate(self.model.model.layers):
-            mixer = getattr(layer, "linear_attn", None) or getattr(layer, "self_attn", None)
-            yield idx, mixer, hasattr(layer, "linear_attn")
+        kinds = family_runtime.layer_kinds(self.model)
+        for idx, layer in enumerate(family_runtime.decoder_layers(self.family, self.model)):
+            kind = kinds[idx]
+            yield idx, family_runtime.mixer(self.family, layer, kind), "conv" in self.family.layer_kinds[kind].measure
 
     def _forced(self, kind: str, idx: int, own: torch.Tensor) -> torch.Tensor:
         teacher = self.force[kind][idx]      # real-document tokens only; the dummy keeps its own values
@@ -174,24 +167,20 @@ def _layers_diff(packed: dict[int, torch.Tensor], reference: dict[int, torch.Ten
 
 
 def _run(model, batch, device):
-    from verify.tiny_model import batch_to
-
     inputs = batch_to({k: v for k, v in batch.items() if k != "labels"}, device)
     # use_cache=False as in training. With the default cache, transformers skips its packed-sequence
     # mask detection (masking_utils.find_packed_sequence_indices) and sdpa attends across documents.
     return model(**inputs, use_cache=False).logits
 
 
-def measure(model, module, *, device: str, conv_wrapper: str = "causal_conv1d_fn",
+def measure(model, module, family: Family, *, device: str, conv_wrapper: str = "causal_conv1d_fn",
             lengths=DOC_LENGTHS, budget: int = BUDGET, seed: int = 0) -> Measurement:
-    from verify.tiny_model import layer_kinds, sample_documents
-
     docs = sample_documents(lengths, model.config.vocab_size, seed=seed)
     n_real = sum(lengths)
-    kinds = layer_kinds(model)
-    attn_layers = [i for i, k in kinds.items() if k == "full_attention"]
-    gdn_layers = [i for i, k in kinds.items() if k == "linear_attention"]
-    rec = _Recorder(model, module, conv_wrapper)
+    kinds = family_runtime.layer_kinds(model)
+    attn_layers = [i for i, k in kinds.items() if "attention" in family.layer_kinds[k].measure]
+    gdn_layers = [i for i, k in kinds.items() if "gdn" in family.layer_kinds[k].measure]
+    rec = _Recorder(model, module, family, conv_wrapper)
     m = Measurement(layers={"attention": attn_layers, "gdn": gdn_layers, "conv": gdn_layers})
     packed_batch = collate_packed(docs, budget=budget, pad_token_id=0)
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 import enum
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 JSON_SCHEMA_VERSION = 1
 
@@ -52,7 +53,7 @@ class Report:
     results: tuple[CheckResult, ...]
 
     @classmethod
-    def of(cls, results: Iterable[CheckResult]) -> "Report":
+    def of(cls, results: Iterable[CheckResult]) -> Report:
         return cls(tuple(results))
 
     @property
@@ -84,7 +85,7 @@ class Report:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True, allow_nan=False) + "\n"
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Report":
+    def from_dict(cls, data: dict[str, Any]) -> Report:
         """Read back to_dict() output (e.g. to print the table of a saved --json run)."""
         return cls.of(CheckResult(r["check"], Status[r["status"]], r["detail"], r.get("fix", ""), r.get("data", {}))
                       for r in data["results"])

@@ -4,17 +4,19 @@ from __future__ import annotations
 import importlib
 import os
 import traceback
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
+from contracts.lock import LockError, load_lock, lock_path
+from families import DEFAULT_FAMILY, FamilyError, UnknownFamily, load_family
 from verify.context import Context
-from verify.families import UnknownFamily, default_family, load_family
-from verify.lock import LockError, load_lock, lock_path
 from verify.report import CheckResult, Report, Status
 
-# Order matters for reading the table: what is installed, what transformers picked, whether the
-# kernels compute the right thing, whether packing stays isolated.
-CHECKS: tuple[str, ...] = ("environment", "dispatch", "fused_ops", "isolation")
+# Order matters for reading the table: what is installed, whether the model fits what was
+# compiled, what transformers picked, whether the kernels compute the right thing, whether
+# packing stays isolated.
+CHECKS: tuple[str, ...] = ("environment", "model_fit", "dispatch", "fused_ops", "isolation")
+PARAM_DTYPES = ("bfloat16", "float16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
 
 
@@ -58,7 +60,8 @@ def _lock_row(path: Path) -> tuple[CheckResult, object]:
 
 
 def run_checks(checks: str | Sequence[str] | None = None, *, device: str = "auto",
-               lock: str | os.PathLike | None = None, deep: bool = False) -> Report:
+               lock: str | os.PathLike | None = None, deep: bool = False, model: str | os.PathLike | None = None,
+               param_dtype: str = "bfloat16") -> Report:
     """Run the selected checks and return the report.
 
     Environment problems (no lock, no GPU, a crashing check) become FAIL rows, never exceptions;
@@ -66,20 +69,31 @@ def run_checks(checks: str | Sequence[str] | None = None, *, device: str = "auto
     only its own --allow-fallback / FTIMAGE_ALLOW_FALLBACK=1 may override that.
     """
     names = parse_checks(checks)
+    if param_dtype not in PARAM_DTYPES:
+        raise UsageError(f"unknown param dtype {param_dtype!r}", f"use one of: {', '.join(PARAM_DTYPES)}")
     resolved = resolve_device(device)
     path = Path(lock) if lock else lock_path()
     lock_row, build_lock = _lock_row(path)
     family = None
-    family_name = build_lock.model_family if build_lock else default_family()
+    family_name = build_lock.model_family if build_lock else DEFAULT_FAMILY
     if build_lock is None:
         lock_row = CheckResult(lock_row.check, lock_row.status,
                                f"{lock_row.detail} (the probes assume model family {family_name})", lock_row.fix)
     rows = [lock_row]
     try:
         family = load_family(family_name)
-    except UnknownFamily as exc:
-        rows.append(CheckResult("model_family", Status.FAIL, str(exc), exc.fix))
-    ctx = Context(lock=build_lock, device=resolved, family=family, deep=deep)
+    except (UnknownFamily, FamilyError) as exc:
+        rows.append(CheckResult("model_family", Status.FAIL, str(exc).splitlines()[0],
+                                getattr(exc, "fix", "reinstall the image")))
+    model_config, model_source = None, ""
+    if model:
+        from verify.checks.model_fit import ModelConfigError, read_model_config
+        try:
+            model_config, model_source = read_model_config(model), f"{model}/config.json"
+        except ModelConfigError as exc:
+            rows.append(CheckResult("model_fit.config", Status.FAIL, str(exc), exc.fix))
+    ctx = Context(lock=build_lock, device=resolved, family=family, deep=deep, model_config=model_config,
+                  model_source=model_source, param_dtype=param_dtype)
 
     for name in names:
         rows.extend(_run_one(name, ctx))
@@ -87,7 +101,7 @@ def run_checks(checks: str | Sequence[str] | None = None, *, device: str = "auto
 
 
 def _run_one(name: str, ctx: Context) -> list[CheckResult]:
-    needs_family = name in ("dispatch", "fused_ops", "isolation")
+    needs_family = name in ("model_fit", "dispatch", "fused_ops", "isolation")
     if needs_family and ctx.family is None:
         return [CheckResult(name, Status.FAIL, "no usable model family (see model_family row)",
                             "fix the model family first")]

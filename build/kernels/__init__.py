@@ -1,9 +1,9 @@
 """Kernel stage: every kernel in the plan becomes a checked wheel, from the cache when possible.
 
-Compiled kernels: cache hit (zero compilation, whatever else changed) or compile in a
-builder container, check, then publish to the cache. Triton kernels (pure Python) are
-pinned wheels, fetched and hash-checked. After the image is built, the same GPU-free
-checks run again inside it.
+Compiled kernels: a cache hit (zero compilation, whatever else changed) or a compile from the
+pinned sdist with recipe.py (in a builder container, compile.py; or on this host, host.py),
+the GPU-free checks, then the cache. Triton kernels (pure Python) are pinned wheels, fetched
+and hash-checked. After the image is built, the same checks run again inside it.
 """
 from __future__ import annotations
 
@@ -14,16 +14,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from build.cache import CacheLayout
-from build.context import KernelWheel
 from build.engine import Engine
 from build.errors import BuildFailure
-from build.kernels.checks import (CHECK_SCRIPT, CheckRow, fail_on, kernel_check_config, kernel_config, parse_rows,
-                                  render_rows)
-from build.kernels.compile import compile_kernel
+from build.kernels.checks import (
+    CHECK_SCRIPT,
+    CheckRow,
+    fail_on,
+    kernel_check_config,
+    kernel_config,
+    parse_rows,
+    render_rows,
+)
+from build.kernels.compile import compile_kernel, parallel_jobs
 from build.kernels.store import KernelStore
-from build.log import EventLog
+from build.kernels.wheel import KernelWheel
 from build.resolve import BuildPlan
 from build.sources import fetch_pinned
+from contracts.events import EventLog, format_seconds
+
+__all__ = ["KernelWheel", "ProvidedKernels", "provide_kernels", "expected_costs", "check_image",
+           "check_wheel_in_image"]
 
 
 @dataclass
@@ -32,7 +42,8 @@ class ProvidedKernels:
     states: dict[str, str] = field(default_factory=dict)   # kernel -> "hit" / "miss (compiled in Ns)" / ...
 
 
-def provide_kernels(plan: BuildPlan, *, cache: CacheLayout, engine: Engine, log: EventLog, builder_base: str) -> ProvidedKernels:
+def provide_kernels(plan: BuildPlan, *, cache: CacheLayout, engine: Engine, log: EventLog,
+                    builder_base: str) -> ProvidedKernels:
     provided = ProvidedKernels()
     store = KernelStore(cache)
     out: list[KernelWheel] = []
@@ -45,11 +56,16 @@ def provide_kernels(plan: BuildPlan, *, cache: CacheLayout, engine: Engine, log:
             provided.states[kernel.name] = "pinned wheels (nothing to compile)"
             continue
         with store.lock(kernel.key):
-            entry = store.get(kernel.key)
-            if entry:
-                log.emit("kernels", f"cache hit: {kernel.name} {kernel.version}", key=kernel.key[:16])
+            state = store.state(kernel.key)
+            if state.entry:
+                log.emit("kernels", f"cache hit: {kernel.name} {kernel.version}", step=kernel.name,
+                         key=kernel.key[:16])
                 provided.states[kernel.name] = "hit"
+                entry = state.entry
             else:
+                if state.state == "corrupt":
+                    log.emit("kernels", f"cached entry {kernel.key[:16]} is corrupt ({state.detail}); "
+                             "rebuilding it", step=kernel.name)
                 entry = compile_kernel(kernel, plan, cache=cache, engine=engine, log=log,
                                        builder_base=builder_base, store=store)
                 provided.states[kernel.name] = f"miss (compiled in {entry.meta['duration_s']:.0f}s)"
@@ -60,26 +76,34 @@ def provide_kernels(plan: BuildPlan, *, cache: CacheLayout, engine: Engine, log:
 
 
 def expected_costs(plan: BuildPlan, cache: CacheLayout) -> dict[str, tuple[str, str]]:
-    """For `--plan`: per kernel key, (cache state, expected compile cost from recorded builds)."""
+    """For `--plan`: per kernel key, (cache state, expected compile cost on this host)."""
     store = KernelStore(cache)
     states = {}
     for kernel in plan.kernels:
         if kernel.kind == "triton":
             states[kernel.key] = ("n/a", "none (Triton JIT at run time)")
             continue
-        if store.get(kernel.key):
+        state = store.state(kernel.key)
+        if state.entry:
             states[kernel.key] = ("hit", "0s (cached)")
             continue
-        recorded = store.recorded_duration(kernel.name)
-        states[kernel.key] = ("miss", f"~{recorded / 60:.0f} min (recorded build, other inputs)"
-                              if recorded else "unknown (never built here)")
+        label = "miss" if state.state == "miss" else f"CORRUPT: {state.detail}; will rebuild"
+        if kernel.estimate:
+            jobs = parallel_jobs(kernel.memory_per_job_gb)
+            wall = kernel.estimate.wall_seconds(jobs)
+            states[kernel.key] = (label, f"~{format_seconds(wall)} ({kernel.estimate.sources} sources, "
+                                         f"{jobs} job(s) here)")
+        else:
+            recorded = store.recorded_duration(kernel.name)
+            states[kernel.key] = (label, f"~{format_seconds(recorded)} (recorded build, other inputs)"
+                                  if recorded else "unknown (never built here)")
     return states
 
 
 def check_image(plan: BuildPlan, *, engine: Engine, image: str, log: EventLog) -> list[CheckRow]:
     """Re-run the GPU-free checks inside the built image, as its runtime user, without network."""
     return _run_checks(engine, image, kernel_check_config(None, plan=plan, check_lock=True), log=log,
-                       what=f"image {image}")
+                       what=f"image {image}", isolated=True)
 
 
 def check_wheel_in_image(wheel: Path, kernel, *, engine: Engine, image: str, log: EventLog) -> list[CheckRow]:
@@ -93,6 +117,9 @@ def check_wheel_in_image(wheel: Path, kernel, *, engine: Engine, image: str, log
               "kernels": [kernel_config(kernel)]}
     with tempfile.TemporaryDirectory(prefix="ftimage-wheelcheck-") as tmp:
         with zipfile.ZipFile(wheel) as zf:
+            for member in zf.namelist():  # a wheel is user input too: nothing may land outside tmp
+                if member.startswith("/") or ".." in Path(member).parts:
+                    raise BuildFailure(f"{wheel.name} holds an unsafe path {member!r}", "use a wheel built by pip")
             zf.extractall(tmp)
         for path in [Path(tmp), *Path(tmp).rglob("*")]:
             path.chmod(0o755 if path.is_dir() else 0o644)  # readable by the image's non-root user
@@ -101,8 +128,11 @@ def check_wheel_in_image(wheel: Path, kernel, *, engine: Engine, image: str, log
                            environment={"PYTHONPATH": "/opt/wheelcheck"})
 
 
-def _run_checks(engine: Engine, image: str, config: dict, *, log: EventLog, what: str, **run_options) -> list[CheckRow]:
-    result = engine.run(image, ["-c", CHECK_SCRIPT.read_text(), json.dumps(config)], entrypoint=["python"],
+def _run_checks(engine: Engine, image: str, config: dict, *, log: EventLog, what: str, isolated: bool = False,
+                **run_options) -> list[CheckRow]:
+    # -I (isolated): neither the working directory nor PYTHON* variables can change what runs
+    flags = ["-I"] if isolated else []
+    result = engine.run(image, [*flags, "-c", CHECK_SCRIPT.read_text(), json.dumps(config)], entrypoint=["python"],
                         network="none", timeout=900, **run_options)
     rows = parse_rows(result.output)
     if rows is None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from build.errors import BuildFailure
 from build.kernels.archs import ArchReport
-from build.plan_view import table
+from contracts.table import render_table
 
 CHECK_SCRIPT = Path(__file__).resolve().parent / "incontainer_check.py"
 RESULT_PREFIX = "FTIMAGE-CHECK "
@@ -54,14 +54,15 @@ def arch_rows(name: str, report: ArchReport, wanted: tuple[str, ...]) -> list[Ch
                      f"the build did not emit {','.join(missing)}: check the kernel's arch_knob in "
                      "kernels_manifest.yaml (the env var its setup.py really reads)" if missing else "")]
     if report.extra(wanted):
-        rows.append(CheckRow(name, "extra archs", "INFO", f"also holds {','.join(report.extra(wanted))} "
-                             "(larger wheel, longer compile)"))
+        # SASS for archs nobody asked for means the arch knob did not take: the build is not
+        # the one the plan describes (and took longer than it should).
+        rows.append(CheckRow(name, "no extra archs (SASS)", "FAIL", f"also holds {','.join(report.extra(wanted))}",
+                             "the package ignored the arch knob: fix its arch_knob or patch in kernels_manifest.yaml"))
     return rows
 
 
-def version_rows(name: str, observed: dict[str, str], plan) -> list[CheckRow]:
-    """Versions the builder observed while compiling must equal the lock's."""
-    tc = plan.toolchain
+def version_rows(name: str, observed: dict[str, str], tc) -> list[CheckRow]:
+    """Versions the builder observed while compiling must equal the toolchain's."""
     rows = []
     pairs = [("torch", observed.get("torch", "?"), tc.torch_version),
              ("torch cuda", observed.get("torch_cuda", "?"), tc.cuda),
@@ -76,8 +77,8 @@ def version_rows(name: str, observed: dict[str, str], plan) -> list[CheckRow]:
 
 
 def render_rows(rows: list[CheckRow]) -> str:
-    return table([[r.subject, r.check, r.status, r.detail[:90], r.fix[:90]] for r in rows],
-                 ["KERNEL", "CHECK", "STATUS", "DETAIL", "FIX"])
+    return render_table([[r.subject, r.check, r.status, r.detail, r.fix] for r in rows],
+                        ["KERNEL", "CHECK", "STATUS", "DETAIL", "FIX"], wrap={3: 70, 4: 60})
 
 
 def fail_on(rows: list[CheckRow], what: str) -> None:

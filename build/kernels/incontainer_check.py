@@ -32,7 +32,9 @@ def check_lock(cfg, rows):
     rows.append(row("image", "lock", ok, f"{path} plan {str(lock.get('plan_key'))[:12]}",
                     "the image holds a different lock than its plan; rebuild it"))
     missing = []
-    for pkg in lock.get("packages", []) + [{"name": k["name"], "version": k["version"]} for k in lock.get("kernels", [])]:
+    # each kernel wheel is checked by the distribution it installs (fla ships as two)
+    kernels = [{"name": k.get("distribution", k["name"]), "version": k["version"]} for k in lock.get("kernels", [])]
+    for pkg in lock.get("packages", []) + kernels:
         try:
             have = md.version(pkg["name"])
         except md.PackageNotFoundError:

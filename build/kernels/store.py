@@ -4,25 +4,30 @@
     kernels/<key>/<wheel>.whl
     kernels/<key>/build.log
 
-An entry is staged in `kernels/.tmp-<key>-*` and renamed into place only once the wheel
-has passed every check, under a per-key file lock, so a concurrent or killed build never
-exposes half an entry. A hit is only a hit if the wheel's sha256 still matches meta.json.
+An entry is staged in `kernels/.tmp-<key>-*` and renamed into place only once the wheel has
+passed every check, under a per-key file lock, so a concurrent or killed build never exposes
+half an entry. A hit is only a hit if the wheel's sha256 still matches meta.json; an entry
+that does not is reported by name (`--plan`, `kernels list`, the build log) and rebuilt,
+never used and never deleted without a word.
 """
 from __future__ import annotations
 
 import json
+import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from filelock import FileLock
 
-from build.cache import CacheLayout, atomic_publish_dir, sha256_file
+from build.cache import CacheLayout, sha256_file
 from build.errors import BuildFailure
+from contracts import atomic
 
 META = "meta.json"
+KEY = re.compile(r"[0-9a-f]{64}")
+WHEEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*\.whl")
 
 
 @dataclass(frozen=True)
@@ -40,50 +45,81 @@ class KernelEntry:
         return self.meta["sha256"]
 
 
+@dataclass(frozen=True)
+class EntryState:
+    key: str
+    state: str          # "hit", "miss" or "corrupt"
+    detail: str = ""
+    entry: KernelEntry | None = None
+
+
+def read_entry(directory: Path, key: str) -> EntryState:
+    """Inspect one entry directory without changing it."""
+    meta_path = directory / META
+    if not meta_path.is_file():
+        return EntryState(key, "miss")
+    try:
+        meta = json.loads(meta_path.read_text())
+        wheel_name = meta["wheel"]
+        if not isinstance(wheel_name, str) or not WHEEL.fullmatch(wheel_name):
+            return EntryState(key, "corrupt", f"meta.json names an invalid wheel {str(wheel_name)[:40]!r}")
+        if meta.get("key") != key:
+            return EntryState(key, "corrupt", "meta.json belongs to another key")
+        wheel = directory / wheel_name
+        if not wheel.is_file():
+            return EntryState(key, "corrupt", f"{wheel_name} is missing")
+        actual = sha256_file(wheel)
+        if actual != meta["sha256"]:
+            return EntryState(key, "corrupt", f"{wheel_name} has sha256 {actual[:12]}..., meta.json says "
+                                              f"{str(meta['sha256'])[:12]}...")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return EntryState(key, "corrupt", f"meta.json is unreadable ({type(exc).__name__})")
+    return EntryState(key, "hit", entry=KernelEntry(key=key, directory=directory, meta=meta))
+
+
 class KernelStore:
     def __init__(self, cache: CacheLayout):
-        self.root = cache.kernels
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = cache.kernels   # created on first write, so `--plan` writes nothing
+
+    def _dir(self, key: str) -> Path:
+        if not KEY.fullmatch(key):
+            raise ValueError(f"not a kernel key: {key!r}")
+        return self.root / key
 
     def lock(self, key: str) -> FileLock:
-        return FileLock(str(self.root / f".{key}.lock"))
+        self.root.mkdir(parents=True, exist_ok=True)
+        return FileLock(str(self.root / f".{self._dir(key).name}.lock"))
+
+    def state(self, key: str) -> EntryState:
+        return read_entry(self._dir(key), key)
 
     def get(self, key: str) -> KernelEntry | None:
-        """A verified entry, or None. A corrupt entry is evicted so the next build recompiles."""
-        directory = self.root / key
-        meta_path = directory / META
-        if not meta_path.is_file():
-            return None
-        try:
-            meta = json.loads(meta_path.read_text())
-            wheel = directory / meta["wheel"]
-            ok = meta.get("key") == key and wheel.is_file() and sha256_file(wheel) == meta["sha256"]
-        except (OSError, ValueError, KeyError):
-            ok = False
-        if not ok:
-            shutil.rmtree(directory, ignore_errors=True)
-            return None
-        return KernelEntry(key=key, directory=directory, meta=meta)
+        """A verified entry, or None (a corrupt entry is not used; `state` says why)."""
+        return self.state(key).entry
+
+    def states(self) -> list[EntryState]:
+        if not self.root.is_dir():
+            return []
+        return [read_entry(d, d.name) for d in sorted(self.root.iterdir()) if d.is_dir() and KEY.fullmatch(d.name)]
 
     def entries(self) -> list[KernelEntry]:
-        return [e for d in sorted(self.root.iterdir()) if d.is_dir() and not d.name.startswith(".")
-                if (e := self.get(d.name))]
+        return [s.entry for s in self.states() if s.entry]
 
     def staging(self, key: str) -> Path:
         """A fresh staging dir. The caller holds this key's lock, so an older staging dir of the
         same key is a killed build's leftover; other keys' dirs may belong to live builds."""
         for leftover in self.root.glob(f".tmp-{key[:16]}-*"):
             shutil.rmtree(leftover, ignore_errors=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:16]}-", dir=self.root))
-        staging.chmod(0o755)  # mkdtemp's 0700 would make a shared cache unreadable to other users
-        return staging
+        return atomic.staging_dir(self.root, key[:16])
 
     def publish(self, key: str, staging: Path, meta: dict[str, Any]) -> KernelEntry:
+        """Rename a checked staging dir into place; a corrupt entry of the same key is replaced."""
         wheel = staging / meta["wheel"]
         if sha256_file(wheel) != meta["sha256"]:
             raise BuildFailure(f"staged wheel {wheel.name} changed before publishing", "re-run the build")
-        (staging / META).write_text(json.dumps({**meta, "key": key}, indent=2, sort_keys=True) + "\n")
-        atomic_publish_dir(staging, self.root / key)
+        atomic.write_json(staging / META, {**meta, "key": key}, sort_keys=True)
+        replace = self.state(key).state == "corrupt"
+        atomic.publish_dir(staging, self._dir(key), replace=replace)
         entry = self.get(key)
         if entry is None:
             raise BuildFailure(f"kernel cache entry {key[:16]} failed verification right after publishing",
@@ -103,27 +139,28 @@ class KernelStore:
         exported = []
         for entry in self.entries():
             target = destination / entry.key
-            if target.exists():
-                shutil.rmtree(target)
-            shutil.copytree(entry.directory, target)
+            staging = atomic.staging_dir(destination, entry.key[:16])
+            for item in entry.directory.iterdir():
+                if item.is_file():
+                    shutil.copyfile(item, staging / item.name)
+            atomic.publish_dir(staging, target, replace=target.exists())
             exported.append(entry.key)
         return exported
 
-    def import_from(self, source: Path) -> tuple[list[str], list[str]]:
-        """Import every entry in `source`, verifying each wheel's hash. Returns (imported, rejected)."""
+    def import_from(self, source: Path) -> tuple[list[str], list[tuple[str, str]]]:
+        """Import every entry in `source`, re-hashing each wheel. Returns (imported, rejected with why)."""
         if not source.is_dir():
             raise BuildFailure(f"{source} is not a directory", "pass the directory written by `kernels export`")
-        imported, rejected = [], []
-        for directory in sorted(p for p in source.iterdir() if p.is_dir()):
+        imported: list[str] = []
+        rejected: list[tuple[str, str]] = []
+        for directory in sorted(p for p in source.iterdir() if p.is_dir() and not p.name.startswith(".")):
             key = directory.name
-            try:
-                meta = json.loads((directory / META).read_text())
-                wheel = directory / meta["wheel"]
-                valid = meta.get("key") == key and wheel.is_file() and sha256_file(wheel) == meta["sha256"]
-            except (OSError, ValueError, KeyError):
-                valid = False
-            if not valid:
-                rejected.append(key)
+            if not KEY.fullmatch(key):
+                rejected.append((key, "not a kernel key"))
+                continue
+            found = read_entry(directory, key)
+            if found.entry is None:
+                rejected.append((key, found.detail or "missing meta.json"))
                 continue
             with self.lock(key):
                 if self.get(key):
@@ -131,9 +168,8 @@ class KernelStore:
                     continue
                 staging = self.staging(key)
                 for item in directory.iterdir():
-                    if item.is_file():
+                    if item.is_file() and item.name != META:
                         shutil.copyfile(item, staging / item.name)
-                (staging / META).unlink(missing_ok=True)
-                self.publish(key, staging, meta)
+                self.publish(key, staging, found.entry.meta)
                 imported.append(key)
         return imported, rejected

@@ -15,7 +15,7 @@ from build.context import make_lock, render_context, render_dockerfile
 from build.resolve import load_plan
 from build.spec import REPO_ROOT
 from build.wheelhouse import Wheel
-from verify.lock import BuildLock
+from contracts.lock import BuildLock
 
 pytestmark = pytest.mark.unit
 BASES = {"builder": "ftimage-base/debian-bookworm-builder:abc", "runtime": "ftimage-base/debian-bookworm:def"}
@@ -43,7 +43,7 @@ def test_hadolint_catches_a_real_error(tmp_path):
 
 
 def test_template_is_strict_about_undefined_variables():
-    from build.context import TEMPLATES
+    from build.templating import TEMPLATES
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined)
     with pytest.raises(jinja2.UndefinedError):
         env.get_template("Dockerfile.j2").render(image="x")
@@ -57,7 +57,9 @@ def test_gpu_runtime_keeps_compiler_with_reason_cpu_runtime_does_not():
     for text in (gpu, cpu):
         assert "--no-index" in text and "--require-hashes" in text
         assert "USER 10001:10001" in text
-        assert 'ENTRYPOINT ["python", "-m", "entrypoint"]' in text
+        # isolated mode: the working directory and PYTHONPATH cannot shadow the image's code
+        assert 'ENTRYPOINT ["/opt/ftimage/venv/bin/python", "-I", "-m", "entrypoint"]' in text
+        assert "LABEL " not in text  # labels go to the engine as data, never as Dockerfile text
 
 
 def _fake_wheels(cache: CacheLayout) -> tuple[Wheel, ...]:
@@ -123,10 +125,10 @@ def test_render_cli_writes_a_context(tmp_path, monkeypatch, run_cli):
 
 
 def test_builder_dockerfile_passes_hadolint(tmp_path):
-    from build.context import render_template
+    from build.templating import render_template
     dockerfile = tmp_path / "Dockerfile"
     dockerfile.write_text(render_template("Dockerfile.builder.j2", builder_base="ftimage-base/b:1",
-                                          venv="/opt/builder/venv", cuda_pip_dir="cu13", closure_key="0" * 64))
+                                          venv="/opt/builder/venv", cuda_pip_dir="cu13"))
     proc = subprocess.run([shutil.which("hadolint"), "--failure-threshold", "error", str(dockerfile)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout

@@ -1,11 +1,10 @@
 """Hypothesis: arbitrary YAML documents as specs never produce a traceback, only exit 0 or 2."""
 from __future__ import annotations
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import pytest
 
 pytestmark = pytest.mark.unit
 

@@ -144,6 +144,7 @@ def test_shipped_specs_are_valid(ws, run_cli):
 def test_cli_subprocess_has_no_traceback_and_exit_2(ws, tmp_path):
     import subprocess
     import sys
+
     from build.spec import REPO_ROOT
     _malformed_image(ws)
     proc = subprocess.run([sys.executable, "-m", "build", *ws.plan("qwen27b")], cwd=REPO_ROOT,
@@ -171,5 +172,7 @@ def test_finetune_defaults_are_validated_with_the_entrypoint_schema(ws, run_cli)
     (ws.image("smoke") / "finetune.yaml").write_text("packing: {mode: zigzag}\ntrian: {max_steps: 3}\n")
     code, _, err = run_cli(ws.plan("smoke"))
     assert code == 2
-    assert ": finetune.defaults.packing.mode: " in err
-    assert ": finetune.defaults.trian: " in err
+    # reported against the file they are in (finetune.yaml), not against image.yaml
+    assert "finetune.yaml: packing.mode: " in err
+    assert "finetune.yaml: trian: " in err and "did you mean `train`" in err
+    assert "image.yaml: finetune" not in err

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from entrypoint.testing import write_fixture
+from tests.fixtures.chat import write_fixture
 
 pytestmark = pytest.mark.engine
 

@@ -5,7 +5,6 @@ import hashlib
 import json
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 

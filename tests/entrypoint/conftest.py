@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from entrypoint.testing import Fixture, write_fixture
-
+from tests.fixtures.chat import Fixture, write_fixture
 
 # Rows every training run must survive and report: one unparseable line, one without
 # `messages`, one whose reply runs past data.max_length (512) and gets truncated.

@@ -7,10 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from entrypoint.config import ConfigError, FinetuneConfig, build_config
+from contracts.finetune_config import ConfigError, FinetuneConfig, build_config
 from entrypoint.launch import LaunchError, resolve_topology, worker_env
-
-from entrypoint.testing import entrypoint_env, run_entrypoint
+from tests.fixtures.chat import entrypoint_env, run_entrypoint
 
 pytestmark = pytest.mark.unit
 
@@ -35,9 +34,10 @@ def test_shell_runs_a_shell():
 
 
 def _lock(tmp_path):
-    from verify.lock import BuildLock, LockedKernel
+    from contracts.lock import BuildLock, LockedKernel
 
-    kernel = LockedKernel(name="causal-conv1d", version="1.7.0", kind="cuda-extension", import_name="causal_conv1d",
+    kernel = LockedKernel(name="causal-conv1d", distribution="causal-conv1d", version="1.7.0", kind="cuda-extension",
+                          import_name="causal_conv1d",
                           key="ab" * 32, wheel="causal_conv1d-1.7.0-cp311-linux_x86_64.whl", sha256="cd" * 32,
                           archs=("sm_90",))
     lock = BuildLock(image="qwen-test", plan_key="ef" * 32, python="3.11", torch="2.13.0+cu130", cuda="13.0",
@@ -87,10 +87,10 @@ def test_config_errors_are_collected_with_fixes():
         build_config([{"model": {"path": "m"}, "data": {"path": "d", "max_lenght": 5},
                        "train": {"max_steps": "many"}, "packing": {"mode": "zigzag"}, "bogus": {}}])
     text = str(err.value)
-    assert "data.max_lenght: unknown key" in text and "did you mean `data.max_length`" in text
-    assert "train.max_steps: expected int" in text
-    assert "packing.mode: 'zigzag' is not one of packed, padded" in text
-    assert "bogus: unknown key" in text
+    assert "data.max_lenght: unknown field" in text and "did you mean `max_length`" in text
+    assert "train.max_steps: expected an integer" in text
+    assert "packing.mode: 'zigzag' is not one of: packed, padded" in text
+    assert "bogus: unknown field" in text
     assert len(err.value.problems) == 4
 
 
@@ -99,7 +99,7 @@ def test_finetune_bad_config_is_a_message_not_a_traceback(tmp_path):
     cfg.write_text("model: {path: m}\ndata: {path: d}\ntrain: {lr: -1, warmup: 3}\n")
     r = run_entrypoint(["finetune", "--config", str(cfg)])
     assert r.returncode == 2
-    assert "train.warmup: unknown key" in r.stderr and "did you mean `train.warmup_steps`" in r.stderr
+    assert "train.warmup: unknown field" in r.stderr and "did you mean `warmup_steps`" in r.stderr
     assert "Traceback" not in r.stderr
     r = run_entrypoint(["finetune", "--config", str(tmp_path / "missing.yaml")])
     assert r.returncode == 2 and "config file not found" in r.stderr
@@ -206,7 +206,6 @@ def test_packing_decision_under_the_gate():
 
 def test_gate_reports_a_verify_crash_as_failure(monkeypatch):
     import verify
-
     from entrypoint.gate import run_verify
 
     def boom(*a, **k):

@@ -6,7 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from entrypoint.data import IGNORE, DataError, read_rows, tokenize_rows, validate_row
+from contracts.collate import IGNORE_INDEX as IGNORE
+from entrypoint.data import DataError, read_rows, tokenize_rows, validate_row
 
 pytestmark = pytest.mark.unit
 

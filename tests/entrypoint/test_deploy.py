@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from entrypoint.config import build_config, read_yaml
+from contracts.finetune_config import build_config, read_yaml
 from entrypoint.launch import resolve_topology
 
 pytestmark = pytest.mark.unit
@@ -30,7 +30,7 @@ def test_pytorchjob_runs_finetune_in_the_operator_container():
     script = container["args"][0]
     assert f"NNODES={nodes}" in script and "python -m entrypoint finetune" in script
     # what the launcher makes of the pod environment the operator gives worker 2
-    from entrypoint.config import FinetuneConfig
+    from contracts.finetune_config import FinetuneConfig
 
     cfg = FinetuneConfig()
     cfg.launch.nproc_per_node = 8

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from entrypoint.data import IGNORE, BadRows, Corpus
+from contracts.collate import IGNORE_INDEX as IGNORE
+from entrypoint.data import BadRows, Corpus
 from entrypoint.packing import batch_area, lower_bound, pack_bfd, pack_greedy, pack_padded, pack_windows
 from entrypoint.sampler import PackedSampler, SamplerStateError
 

@@ -16,7 +16,7 @@ from entrypoint.checkpoint import is_complete, list_checkpoints
 from entrypoint.finetune import prepare
 from entrypoint.gate import GateOutcome
 from entrypoint.launch import free_port
-from entrypoint.testing import entrypoint_env, run_entrypoint
+from tests.fixtures.chat import entrypoint_env, run_entrypoint
 
 pytestmark = pytest.mark.training
 

@@ -22,9 +22,9 @@ def repo() -> Path:
 
 @pytest.fixture(scope="session")
 def env_lock():
-    from verify.envlock import lock_for_environment
+    from tests.fixtures.locks import environment_lock
 
-    return lock_for_environment(image="test")
+    return environment_lock()
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ import json
 import pytest
 
 
-
 @pytest.mark.training  # a fresh interpreter running every check: ~10-20 s on 2 cores
 def test_bare_verify_on_cpu_exits_2_with_a_readable_table(run_verify):
     code, out, err = run_verify()
@@ -38,7 +37,7 @@ def test_isolation_json_reports_measured_differences_per_layer_kind(cpu_lock_pat
 def test_unknown_check_is_a_usage_failure_not_a_traceback(run_verify):
     code, out, err = run_verify("--checks", "dispatch,bogus")
     assert code == 2
-    assert "unknown check(s): bogus" in out and "choose from: environment,dispatch,fused_ops,isolation" in out
+    assert "unknown check(s): bogus" in out and "choose from: environment,model_fit,dispatch,fused_ops,isolation" in out
     assert "Traceback" not in err
 
 

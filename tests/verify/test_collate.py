@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from entrypoint.collate import Document, collate_packed, collate_unpacked
+from contracts.collate import Document, collate_packed, collate_unpacked
 
 pytestmark = pytest.mark.unit
 

@@ -3,17 +3,18 @@ import types
 
 import pytest
 
+from families import load_family
+from tests.fixtures.locks import manifest_kernel
 from verify.checks import dispatch
-from verify.context import Context
-from verify.families import load_family
-from verify.lock import LockedKernel
+from verify.context import Context, FusedNeed
 from verify.report import Status
 
 pytestmark = pytest.mark.unit
 FAMILY = load_family("qwen3_5_text")
-CONV = next(f for f in FAMILY.required_fused if f.replaces == "causal_conv1d_fn")
-LOCKED_CONV = LockedKernel(name="causal-conv1d", version="1.7.0", kind="cuda-extension", import_name="causal_conv1d",
-                           key="k", wheel="causal_conv1d-1.7.0.whl", sha256="a" * 64, replaces=("causal_conv1d_fn",))
+CONV_FN = next(f for f in FAMILY.fused_functions if f.function == "causal_conv1d_fn")
+LOCKED_CONV = manifest_kernel("causal-conv1d")
+CONV = FusedNeed(CONV_FN.function, CONV_FN.wrapper, CONV_FN.boundary_kwarg, LOCKED_CONV)
+UNLOCKED_CONV = FusedNeed(CONV_FN.function, CONV_FN.wrapper, CONV_FN.boundary_kwarg, None)
 
 
 @pytest.fixture
@@ -49,19 +50,19 @@ def test_reads_the_real_resolution_on_this_machine():
 def test_unreadable_wrapper_fails_with_a_fix():
     module = types.SimpleNamespace(__name__="m", causal_conv1d_fn=lambda x: x)
     res = dispatch.read_resolution(module, "causal_conv1d_fn")
-    row = dispatch.decide_function(CONV, res, LOCKED_CONV, None, "", "")
+    row = dispatch.decide_function(CONV, res, None, "", "")
     assert row.status is Status.FAIL and "cannot read transformers' resolution" in row.detail
 
 
 def test_fused_resolution_passes_only_when_the_layer_really_called_it(fused_resolution):
     assert fused_resolution.is_new and "seq_idx" in fused_resolution.applicable_params
-    ok = dispatch.decide_function(CONV, fused_resolution, LOCKED_CONV, {"fused": 2, "torch": 0}, "", "")
+    ok = dispatch.decide_function(CONV, fused_resolution, {"fused": 2, "torch": 0}, "", "")
     assert ok.status is Status.PASS, ok.detail
-    swapped = dispatch.decide_function(CONV, fused_resolution, LOCKED_CONV, {"fused": 0, "torch": 2}, "", "")
+    swapped = dispatch.decide_function(CONV, fused_resolution, {"fused": 0, "torch": 2}, "", "")
     assert swapped.status is Status.FAIL and "called the torch reference 2x" in swapped.detail
-    not_run = dispatch.decide_function(CONV, fused_resolution, LOCKED_CONV, None, "RuntimeError: no GPU", "")
+    not_run = dispatch.decide_function(CONV, fused_resolution, None, "RuntimeError: no GPU", "")
     assert not_run.status is Status.FAIL and "no GPU" in not_run.detail
-    unlocked = dispatch.decide_function(CONV, fused_resolution, None, {"fused": 2, "torch": 0}, "", "")
+    unlocked = dispatch.decide_function(UNLOCKED_CONV, fused_resolution, {"fused": 2, "torch": 0}, "", "")
     assert unlocked.status is Status.FAIL and "the lock has no kernel" in unlocked.detail
 
 
@@ -69,7 +70,7 @@ def test_kernel_without_the_boundary_kwarg_fails(fused_resolution):
     from dataclasses import replace
 
     res = replace(fused_resolution, applicable_params=("x", "weight", "bias", "activation"))
-    row = dispatch.decide_function(CONV, res, LOCKED_CONV, {"fused": 2, "torch": 0}, "", "")
+    row = dispatch.decide_function(CONV, res, {"fused": 2, "torch": 0}, "", "")
     assert row.status is Status.FAIL and "takes no `seq_idx`" in row.detail
 
 
@@ -120,7 +121,7 @@ def test_dispatch_on_cpu_detects_the_fallback_at_run_time(env_lock):
     for name in ("causal_conv1d_fn", "chunk_gated_delta_rule"):
         row = rows[f"dispatch.{name}"]
         assert row.status is Status.FAIL and row.detail.startswith("torch reference path")
-        # the layer instance really ran the torch function (2 GDN layers in the tiny model)
+        # the layer instance really ran the torch function (2 GDN layers in the probe model)
         assert row.data["runtime_calls"] == {"torch": 2, "fused": 0}
     assert rows["dispatch.attention"].status is Status.FAIL
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from contracts.lock import LockedKernel, LockedPackage
 from verify.checks import environment as env
 from verify.context import Context
-from verify.lock import LockedKernel, LockedPackage
 from verify.report import Status
 
 pytestmark = pytest.mark.unit
@@ -75,7 +75,8 @@ def test_installed_package_matches_lock_by_version_and_record():
 
 
 def test_locked_kernel_that_is_not_installed_fails():
-    kernel = LockedKernel(name="causal-conv1d", version="1.7.0", kind="cuda-extension", import_name="causal_conv1d",
+    kernel = LockedKernel(name="causal-conv1d", distribution="causal-conv1d", version="1.7.0", kind="cuda-extension",
+                          import_name="causal_conv1d",
                           key="k", wheel="causal_conv1d-1.7.0.whl", sha256="a" * 64)
     row = env.check_installed([kernel], deep=False)[0]
     assert row.status is Status.FAIL and "not installed" in row.detail
@@ -101,7 +102,7 @@ def test_cache_dir_writability_is_measured(tmp_path):
 
 
 def test_environment_check_on_this_cpu_machine(env_lock):
-    from verify.families import load_family
+    from families import load_family
 
     ctx = Context(lock=env_lock, device="cpu", family=load_family("qwen3_5_text"))
     rows = {r.check: r for r in env.run(ctx)}

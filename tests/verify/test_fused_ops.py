@@ -2,17 +2,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from families import load_family
+from families.runtime import modeling_module
+from tests.fixtures.locks import manifest_kernel
+from verify import op_numerics
 from verify.checks import fused_ops
-from verify.context import Context
-from verify.families import load_family
+from verify.context import Context, FusedNeed
 from verify.kernel_profile import PhaseKernels, kernel_verdict, matching
 from verify.report import Status
-from verify.tiny_model import modeling_module
 
 pytestmark = pytest.mark.unit
 FAMILY = load_family("qwen3_5_text")
-CONV = next(f for f in FAMILY.required_fused if f.replaces == "causal_conv1d_fn")
-GDN = next(f for f in FAMILY.required_fused if f.replaces == "chunk_gated_delta_rule")
+CONV = FusedNeed("causal_conv1d_fn", "causal_conv1d_fn", "seq_idx", manifest_kernel("causal-conv1d"))
+GDN = FusedNeed("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule", "cu_seqlens",
+                manifest_kernel("flash-linear-attention", distribution="fla-core"))
+FLASH = manifest_kernel("flash-attn")
 MODULE = modeling_module(FAMILY)
 CONV_REF = MODULE.causal_conv1d_fn.__wrapped__
 GDN_REF = MODULE.torch_chunk_gated_delta_rule.__wrapped__
@@ -35,8 +39,8 @@ def test_profile_verdict_passes_only_with_forward_and_backward_kernels():
     assert row.status is Status.PASS, row.detail
     assert kernel_verdict("chunk_gated_delta_rule", FUSED_STEP, GDN.forward_kernels, GDN.backward_kernels,
                           0).status is Status.PASS
-    attn = FAMILY.attention
-    assert kernel_verdict("attention", FUSED_STEP, attn.forward_kernels, attn.backward_kernels, 0).status is Status.PASS
+    assert kernel_verdict("attention", FUSED_STEP, FLASH.profile_kernels["forward"], FLASH.profile_kernels["backward"],
+                          0).status is Status.PASS
 
 
 def test_profile_verdict_fails_when_backward_is_not_fused():
@@ -79,13 +83,13 @@ def _seq_conv(x, weight, bias=None, seq_idx=None, activation=None):
 
 
 def test_conv_numerics_on_real_tensors():
-    good = fused_ops.check_causal_conv1d(_seq_conv, CONV_REF, "cpu", torch.float32)
+    good = op_numerics.check_causal_conv1d(_seq_conv, CONV_REF, "cpu", torch.float32)
     assert fused_ops.compare_verdict("causal_conv1d_fn", good).status is Status.PASS, good
 
     def ignores_seq_idx(x, weight, bias=None, seq_idx=None, activation=None):
         return CONV_REF(x, weight, bias, activation)
 
-    leaky = fused_ops.check_causal_conv1d(ignores_seq_idx, CONV_REF, "cpu", torch.float32)
+    leaky = op_numerics.check_causal_conv1d(ignores_seq_idx, CONV_REF, "cpu", torch.float32)
     row = fused_ops.compare_verdict("causal_conv1d_fn", leaky)
     assert row.status is Status.FAIL and leaky["out"] > 0.05 and leaky["grad:weight"] > 0.05
 
@@ -97,10 +101,10 @@ def test_gdn_numerics_on_real_tensors():
         return torch.cat([GDN_REF(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0] for s, e in cuts], 1), None
 
-    good = fused_ops.check_chunk_gated_delta_rule(per_segment, GDN_REF, "cpu", torch.float32)
+    good = op_numerics.check_chunk_gated_delta_rule(per_segment, GDN_REF, "cpu", torch.float32)
     assert fused_ops.compare_verdict("chunk_gated_delta_rule", good).status is Status.PASS, good
     # the torch fallback: cu_seqlens swallowed by **kwargs, the state flows across documents
-    leaky = fused_ops.check_chunk_gated_delta_rule(GDN_REF, GDN_REF, "cpu", torch.float32)
+    leaky = op_numerics.check_chunk_gated_delta_rule(GDN_REF, GDN_REF, "cpu", torch.float32)
     assert fused_ops.compare_verdict("chunk_gated_delta_rule", leaky).status is Status.FAIL
 
 
@@ -114,15 +118,15 @@ def test_flash_attention_numerics_on_real_tensors():
         return F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)),
                                               is_causal=causal)[0].transpose(0, 1)
 
-    good = fused_ops.check_flash_attention(varlen, "cpu", torch.float32)
+    good = op_numerics.check_flash_attention(varlen, "cpu", torch.float32)
     assert fused_ops.compare_verdict("attention", good).status is Status.PASS, good
-    bad = fused_ops.check_flash_attention(not_varlen, "cpu", torch.float32)
+    bad = op_numerics.check_flash_attention(not_varlen, "cpu", torch.float32)
     assert fused_ops.compare_verdict("attention", bad).status is Status.FAIL
 
 
 def test_on_cpu_every_fused_op_fails_with_needs_cuda(env_lock):
     rows = fused_ops.run(Context(lock=env_lock, device="cpu", family=FAMILY))
-    assert [r.check for r in rows] == [f"fused_ops.{op}" for op in fused_ops.OPS]
+    assert [r.check for r in rows] == [f"fused_ops.{op}" for op in FAMILY.needs()]
     assert all(r.status is Status.FAIL and r.detail.startswith("needs CUDA") for r in rows)
 
 

@@ -3,13 +3,14 @@ import math
 import pytest
 import torch
 
+from families import load_family
+from families.qwen3_5_text import prepare_probe_model
+from families.runtime import build_model, modeling_module
 from verify.checks import isolation
 from verify.checks.isolation import TOLERANCES, decide_end_to_end, decide_kind
 from verify.context import Context
-from verify.families import load_family
 from verify.packing_probe import max_diff, measure
 from verify.report import Status
-from verify.tiny_model import build_tiny_model, modeling_module
 
 pytestmark = pytest.mark.unit
 FP32 = TOLERANCES["float32"]
@@ -17,12 +18,12 @@ FAMILY = load_family("qwen3_5_text")
 
 
 def probe_model():
-    return isolation.prepare_probe_model(build_tiny_model(FAMILY, attn_implementation="sdpa"))
+    return prepare_probe_model(build_model(FAMILY, "probe", attn_implementation="sdpa"))
 
 
 @pytest.fixture(scope="module")
 def fallback_measurement():
-    return measure(probe_model(), modeling_module(FAMILY), device="cpu")
+    return measure(probe_model(), modeling_module(FAMILY), FAMILY, device="cpu")
 
 
 # ---- pure decisions -------------------------------------------------------------------------
@@ -103,7 +104,7 @@ def test_boundary_honouring_kernels_pass(monkeypatch):
 
     monkeypatch.setattr(module, "causal_conv1d_fn", conv)
     monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", gdn)
-    rows = isolation.judge(measure(probe_model(), module, device="cpu"), FP32)
+    rows = isolation.judge(measure(probe_model(), module, FAMILY, device="cpu"), FP32)
     assert {r.check: r.status for r in rows} == {f"isolation.{k}": Status.PASS
                                                  for k in ("attention", "gdn", "conv", "logits", "grads")}
 
@@ -119,7 +120,7 @@ def test_a_probe_that_cannot_see_boundaries_fails_as_blind():
             else:
                 layer.linear_attn.out_proj.weight.zero_()
                 layer.linear_attn.conv1d.weight[..., :-1] = 0
-    rows = {r.check: r for r in isolation.judge(measure(model, modeling_module(FAMILY), device="cpu"), FP32)}
+    rows = {r.check: r for r in isolation.judge(measure(model, modeling_module(FAMILY), FAMILY, device="cpu"), FP32)}
     for name in ("isolation.attention", "isolation.conv", "isolation.logits"):
         assert rows[name].status is Status.FAIL and "probe blind" in rows[name].detail, rows[name].detail
 

@@ -3,7 +3,7 @@
 transformers 5.x wraps causal_conv1d_fn and chunk_gated_delta_rule with
 use_kernel_func_from_hub_with_fallback: it tries the installed package ONCE, at import, inside
 `except Exception`, and falls back to the torch reference silently; its only warning claims the
-package "is not installed" even when the import failed for another reason (DESIGN.md part 1).
+package "is not installed" even when the import failed for another reason (integrations/hub_kernels.py).
 So we read the real resolution from the wrapper's closure, confirm by watching what the GDN layer
 instance calls at run time (the class is also decorated with use_kernelized_func), and re-import
 the package ourselves only to explain a fallback with the real exception.
@@ -13,13 +13,14 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from verify.calltrace import innermost_code, watch_calls
-from verify.context import Context
-from verify.families import Attention, FusedFunction
-from verify.lock import LockedKernel
+from contracts.lock import LockedKernel
+from families import Attention
+from verify.calltrace import watch_calls
+from verify.context import Context, FusedNeed
 from verify.report import CheckResult, Status
 
 REBUILD = "rebuild the image with `python -m build` so the lock's kernel wheels are installed and importable"
@@ -34,6 +35,7 @@ class Resolution:
     torch_function: Callable | None = None
     is_new: bool = False
     applicable_params: tuple[str, ...] = ()
+    package: str = ""          # the package transformers tried to import, e.g. "fla"
     error: str = ""            # set when the closure could not be read
 
     @property
@@ -69,6 +71,7 @@ def read_resolution(module, wrapper: str) -> Resolution:
         torch_function=nonlocals.get("torch_function"),
         is_new=bool(nonlocals["is_new_implementation"]),
         applicable_params=tuple(nonlocals.get("applicable_params", ())),
+        package=str(nonlocals.get("package", "")),
     )
 
 
@@ -106,46 +109,47 @@ def explain_fallback(package: str, symbol: str, distribution: str) -> str:
             "import: the package was installed or fixed after transformers was imported, or it failed then")
 
 
-def fallback_fix(fused: FusedFunction, why: str, in_lock: bool) -> str:
+def fallback_fix(need: FusedNeed, package: str, why: str) -> str:
     if "raises" in why or "does not resolve" in why:
-        return (f"{fused.package} is installed but broken (error in DETAIL): rebuild its wheel against this "
+        return (f"{package} is installed but broken (error in DETAIL): rebuild its wheel against this "
                 "image's torch/CUDA (`python -m build`); an undefined symbol means an ABI mismatch")
-    if in_lock:
-        return f"rebuild the image: the lock lists {fused.distribution} but it is not importable"
-    return f"add {fused.distribution} to the image's kernels manifest and rebuild"
+    if need.kernel is not None:
+        return f"rebuild the image: the lock lists {need.kernel.distribution} but it is not importable"
+    return f"add a kernel that replaces {need.function} to the image's kernels and rebuild"
 
 
-def decide_function(fused: FusedFunction, res: Resolution, lock_kernel: LockedKernel | None,
-                    runtime: dict[str, int] | None, runtime_error: str, why: str) -> CheckResult:
+def decide_function(need: FusedNeed, res: Resolution, runtime: dict[str, int] | None, runtime_error: str,
+                    why: str) -> CheckResult:
     """Pure decision for one required fused function. `runtime` holds call counts of the fused
-    and torch code objects during one packed forward of the tiny model (None when not run)."""
-    name = f"dispatch.{fused.replaces}"
-    lock_note = (f"lock: {lock_kernel.name} {lock_kernel.version}" if lock_kernel
-                 else f"the lock has no kernel replacing {fused.replaces}")
+    and torch code objects during one packed forward of the probe model (None when not run)."""
+    lock_kernel: LockedKernel | None = need.kernel
+    name = f"dispatch.{need.function}"
+    lock_note = (f"lock: {lock_kernel.distribution} {lock_kernel.version}" if lock_kernel
+                 else f"the lock has no kernel replacing {need.function}")
+    package = lock_kernel.import_name if lock_kernel else (res.package or "?")
     if not res.readable:
         return CheckResult(name, Status.FAIL, f"cannot read transformers' resolution: {res.error}",
                            "pin the transformers version verify/ was written for (see lock.transformers)")
     data: dict[str, Any] = {"implementation": describe(res.implementation), "is_new_implementation": res.is_new,
                             "applicable_params": list(res.applicable_params), "runtime_calls": runtime}
     if not res.is_new:
-        fix = fallback_fix(fused, why, lock_kernel is not None)
         return CheckResult(
             name, Status.FAIL,
-            f"torch reference path: {fused.wrapper} resolved to {describe(res.implementation)} "
+            f"torch reference path: {need.wrapper} resolved to {describe(res.implementation)} "
             f"(is_new_implementation=False); why: {why}; {lock_note}; the torch path also drops "
-            f"{fused.boundary_kwarg}, so packed documents leak",
-            fix, data)
+            f"{need.boundary_kwarg}, so packed documents leak",
+            fallback_fix(need, package, why), data)
     impl_module = getattr(inspect.unwrap(res.implementation), "__module__", "") or ""
-    if not impl_module.startswith(fused.package):
+    if not impl_module.startswith(package):
         return CheckResult(
             name, Status.FAIL,
-            f"resolved to {describe(res.implementation)}, not the {fused.package} package (Kernel Hub?)",
+            f"resolved to {describe(res.implementation)}, not the {package} package (Kernel Hub?)",
             "set USE_HUB_KERNELS=0 and use the image's verified wheel", data)
-    if fused.boundary_kwarg not in res.applicable_params:
+    if need.boundary_kwarg not in res.applicable_params:
         return CheckResult(
             name, Status.FAIL,
-            f"{describe(res.implementation)} takes no `{fused.boundary_kwarg}`; transformers drops it, so "
-            "packed documents leak", f"install the {fused.distribution} version pinned in the lock", data)
+            f"{describe(res.implementation)} takes no `{need.boundary_kwarg}`; transformers drops it, so "
+            "packed documents leak", f"install the {package} version pinned in the lock", data)
     if lock_kernel is None:
         return CheckResult(name, Status.FAIL, f"fused ({describe(res.implementation)}) but {lock_note}",
                            "rebuild the image: an unlocked kernel was not built or checked by build/", data)
@@ -163,12 +167,12 @@ def decide_function(fused: FusedFunction, res: Resolution, lock_kernel: LockedKe
     return CheckResult(
         name, Status.PASS,
         f"{describe(res.implementation)} ({lock_note}); the GDN layer called it {runtime['fused']}x, the torch "
-        f"reference 0x; `{fused.boundary_kwarg}` is accepted", data=data)
+        f"reference 0x; `{need.boundary_kwarg}` is accepted", data=data)
 
 
 def decide_attention(required: Attention, promised: str, build_error: str, model_attn: str | None,
                      varlen_fn: Callable | None, runtime: dict[str, int] | None, why: str,
-                     locked: bool = True) -> CheckResult:
+                     locked: bool = True, package: str = "flash_attn") -> CheckResult:
     name = "dispatch.attention"
     data = {"promised": promised, "model": model_attn, "varlen_fn": describe(varlen_fn), "runtime_calls": runtime}
     want = required.implementation
@@ -180,7 +184,7 @@ def decide_attention(required: Attention, promised: str, build_error: str, model
             f"build the image with attn_implementation: {want} and the flash-attn wheel", data)
     if build_error:
         return CheckResult(name, Status.FAIL, f"transformers refused {want}: {build_error}; why: {why}",
-                           f"install the lock's {required.distribution} wheel; " + REBUILD, data)
+                           f"install the lock's {package} wheel; " + REBUILD, data)
     if model_attn != want:
         return CheckResult(name, Status.FAIL, f"the model runs {model_attn!r}, not {want!r}",
                            f"pass attn_implementation={want!r} when building the model", data)
@@ -188,9 +192,9 @@ def decide_attention(required: Attention, promised: str, build_error: str, model
         return CheckResult(name, Status.FAIL, f"{want} configured but not run: needs CUDA",
                            "run verify on a CUDA device (--device cuda)", data)
     varlen_module = getattr(inspect.unwrap(varlen_fn), "__module__", "") if varlen_fn else ""
-    if not varlen_module.startswith(required.package):
+    if not varlen_module.startswith(package):
         return CheckResult(name, Status.FAIL,
-                           f"flash attention resolved to {describe(varlen_fn)}, not the {required.package} "
+                           f"flash attention resolved to {describe(varlen_fn)}, not the {package} "
                            "package (Kernel Hub fallback?)", "install the lock's flash-attn wheel; set "
                            "USE_HUB_KERNELS=0", data)
     if runtime.get("torch", 0) or not runtime.get("fused", 0):
@@ -231,27 +235,14 @@ def _kernels_state() -> tuple[str | None, bool]:
 
 
 def _runtime_probe(ctx: Context, model, module, resolutions: dict[str, Resolution]):
-    """One packed forward of the tiny model, watching which code objects run."""
+    """One packed forward of the probe model, watching which code objects run."""
     import torch
 
-    from entrypoint.collate import collate_packed
-    from verify.tiny_model import batch_to, sample_documents
+    from verify.probe import packed_batch, watched_code
 
-    watched = {}
-    for fused in ctx.family.required_fused:
-        res = resolutions[fused.replaces]
-        watched[f"{fused.replaces}:torch"] = innermost_code(res.torch_function) if res.torch_function else None
-        watched[f"{fused.replaces}:fused"] = innermost_code(res.implementation) if res.is_new else None
-    from transformers.integrations import flash_attention, sdpa_attention
-
-    watched["attention:torch_sdpa"] = innermost_code(sdpa_attention.sdpa_attention_forward)
-    watched["attention:torch_eager"] = innermost_code(getattr(module, "eager_attention_forward"))
-    watched["attention:fused"] = innermost_code(flash_attention.flash_attention_forward)
-
-    docs = sample_documents([40, 24], model.config.vocab_size, seed=1)
-    batch = batch_to(collate_packed(docs, budget=72, pad_token_id=0), ctx.device)
+    batch = packed_batch(model.config.vocab_size, ctx.device)
     batch.pop("labels")
-    with torch.no_grad(), watch_calls(watched) as counts:
+    with torch.no_grad(), watch_calls(watched_code(ctx, module, resolutions)) as counts:
         model(**batch, use_cache=False)  # as in training; see packing_probe._run
     return dict(counts)
 
@@ -259,27 +250,30 @@ def _runtime_probe(ctx: Context, model, module, resolutions: dict[str, Resolutio
 def run(ctx: Context) -> list[CheckResult]:
     import torch
 
-    from verify.tiny_model import build_tiny_model, model_dtype, modeling_module
+    from families.runtime import modeling_module, probe_dtype
+    from verify.probe import build_probe_model
 
     family = ctx.family
     module = modeling_module(family)  # transformers resolves kernels here, at import
-    resolutions = {f.replaces: read_resolution(module, f.wrapper) for f in family.required_fused}
+    needs = ctx.needs()
+    resolutions = {n.function: read_resolution(module, n.wrapper) for n in needs}
+    attention = ctx.attention_kernel
+    attn_package = attention.import_name if attention else "flash_attn"
 
     attn_error, attn_why = "", ""
     wanted_attn = ctx.attn_implementation
-    dtype = model_dtype(ctx.device)
+    dtype = probe_dtype(ctx.device)
     model, runtime, runtime_error = None, None, ""
     if ctx.device.startswith("cuda") and not torch.cuda.is_available():
         runtime_error = "needs CUDA: --device cuda but no CUDA device"
     else:
         try:
-            model = build_tiny_model(family, attn_implementation=wanted_attn, device=ctx.device, dtype=dtype)
+            model = build_probe_model(ctx, attn_implementation=wanted_attn, dtype=dtype)
         except ImportError as exc:  # transformers refuses flash_attention_2 when flash_attn is unusable
             attn_error = str(exc)
-            attn_why = explain_fallback(family.attention.package,
-                                        f"{family.attention.package}.flash_attn_varlen_func",
-                                        family.attention.distribution)
-            model = build_tiny_model(family, attn_implementation="sdpa", device=ctx.device, dtype=dtype)
+            attn_why = explain_fallback(attn_package, f"{attn_package}.flash_attn_varlen_func",
+                                        attention.distribution if attention else "flash-attn")
+            model = build_probe_model(ctx, attn_implementation="sdpa", dtype=dtype)
         try:
             runtime = _runtime_probe(ctx, model, module, resolutions)
         except Exception as exc:  # noqa: BLE001 - a kernel that cannot run is exactly what we report
@@ -287,13 +281,15 @@ def run(ctx: Context) -> list[CheckResult]:
     model_attn = model.config._attn_implementation if model is not None else wanted_attn
 
     rows = []
-    for fused in family.required_fused:
-        res = resolutions[fused.replaces]
-        why = "" if (res.is_new or not res.readable) else explain_fallback(fused.package, fused.symbol,
-                                                                           fused.distribution)
+    for need in needs:
+        res = resolutions[need.function]
+        package = need.kernel.import_name if need.kernel else res.package
+        symbol = need.symbol or f"{package}.{need.function}"
+        distribution = need.kernel.distribution if need.kernel else package
+        why = "" if (res.is_new or not res.readable) else explain_fallback(package, symbol, distribution)
         per_fn = None if runtime is None else {
-            "torch": runtime[f"{fused.replaces}:torch"], "fused": runtime[f"{fused.replaces}:fused"]}
-        rows.append(decide_function(fused, res, ctx.lock_kernel_for(fused.replaces), per_fn, runtime_error, why))
+            "torch": runtime[f"{need.function}:torch"], "fused": runtime[f"{need.function}:fused"]}
+        rows.append(decide_function(need, res, per_fn, runtime_error, why))
 
     attn_runtime = None
     if runtime is not None and model_attn == family.attention.implementation:
@@ -304,10 +300,10 @@ def run(ctx: Context) -> list[CheckResult]:
     rows.append(decide_attention(family.attention, wanted_attn, attn_error,
                                  None if attn_error else model_attn,
                                  fa_utils._flash_varlen_fn, attn_runtime, attn_why,
-                                 locked=ctx.lock_kernel_for(family.attention.replaces) is not None))
+                                 locked=attention is not None, package=attn_package))
     kernels_version, hub_enabled = _kernels_state()
     rows.append(decide_kernel_hub(kernels_version, hub_enabled, bool(getattr(model, "use_kernels", False))))
     if runtime_error and all(r.status != Status.FAIL for r in rows):
-        rows.append(CheckResult("dispatch.runtime", Status.FAIL, f"tiny model forward failed: {runtime_error}",
+        rows.append(CheckResult("dispatch.runtime", Status.FAIL, f"probe model forward failed: {runtime_error}",
                                 REBUILD))
     return rows

@@ -11,8 +11,8 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+from contracts.lock import BuildLock, LockedKernel, LockedPackage
 from verify.context import Context
-from verify.lock import BuildLock, LockedKernel, LockedPackage
 from verify.report import CheckResult, Status
 
 REBUILD = "rebuild the image with `python -m build`; do not pip install over a built image"
@@ -30,7 +30,8 @@ def decide_cuda_device(available: bool, count: int, name: str = "") -> CheckResu
 def decide_arch(capability: tuple[int, int], target_archs: tuple[str, ...]) -> CheckResult:
     arch = f"sm_{capability[0]}{capability[1]}"
     if arch in target_archs:
-        return CheckResult("environment.arch", Status.PASS, f"{arch} is in the lock's target_archs {list(target_archs)}")
+        return CheckResult("environment.arch", Status.PASS,
+                           f"{arch} is in the lock's target_archs {list(target_archs)}")
     return CheckResult("environment.arch", Status.FAIL,
                        f"device is {arch}; the kernels were built for {list(target_archs) or 'no GPU arch'} only "
                        "(no PTX fallback for other archs)", f"add {arch} to the image's target_archs and rebuild")
@@ -121,20 +122,21 @@ def check_installed(entries: list[LockedPackage | LockedKernel], deep: bool) -> 
     rows = []
     for entry in entries:
         what = "kernel" if isinstance(entry, LockedKernel) else "package"
-        dist = _dist(entry.name)
+        name = entry.distribution if isinstance(entry, LockedKernel) else entry.name
+        dist = _dist(name)
         extra = ""
         if isinstance(entry, LockedKernel):
             if len(entry.sha256) != 64:
-                rows.append(CheckResult(f"environment.kernel.{entry.name}", Status.FAIL,
+                rows.append(CheckResult(f"environment.kernel.{name}", Status.FAIL,
                                         f"the lock records no wheel sha256 for {entry.wheel!r}", REBUILD))
                 continue
             extra = f"; wheel {entry.wheel} sha256 {entry.sha256[:12]}"
         if dist is None:
-            rows.append(decide_installed(what, entry.name, entry.version, None, 0, 0, []))
+            rows.append(decide_installed(what, name, entry.version, None, 0, 0, []))
             continue
         # Kernels are small and are where ABI damage hides: always hash them fully.
         hashed, skipped, bad = _record_mismatches(dist, deep or what == "kernel")
-        rows.append(decide_installed(what, entry.name, entry.version, dist.version, hashed, skipped, bad, extra))
+        rows.append(decide_installed(what, name, entry.version, dist.version, hashed, skipped, bad, extra))
     return rows
 
 

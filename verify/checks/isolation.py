@@ -1,7 +1,7 @@
 """Isolation: packed documents must not see each other, in forward AND backward, per layer kind.
 
 The probe (verify/packing_probe.py) runs the tiny model on documents packed the way
-entrypoint.collate packs them, and on the same documents one at a time. Each layer kind is
+contracts.collate packs them, and on the same documents one at a time. Each layer kind is
 compared on identical inputs (teacher forcing), so a leak is attributed to the kind that causes
 it. A negative control withholds the boundary information: if that does not change the output
 either, the probe cannot see a leak and the check FAILs as blind rather than passing.
@@ -25,20 +25,20 @@ class Tolerance:
     blind: float      # the negative control must differ by MORE than this, or the probe is blind
 
 
-# fp32 on CPU: a correct setup stays at float noise (DESIGN.md part 2: < 1e-5; measured ~1e-7 for
-# sdpa attention here). bf16 on GPU: ~3 significant digits per op, 4 layers deep.
+# fp32 on CPU: a correct setup stays at float noise (below 1e-5; measured ~1e-7 for sdpa
+# attention). bf16 on GPU: ~3 significant digits per op, 4 layers deep.
 TOLERANCES = {
     "float32": Tolerance(layer=1e-4, logits=1e-4, grads=1e-4, blind=1e-2),
     "bfloat16": Tolerance(layer=2e-2, logits=3e-2, grads=5e-2, blind=1.5e-1),
 }
 
 KIND_FIX = {
-    "attention": "use attn_implementation=flash_attention_2 (varlen, cu_seq_lens_q/k from entrypoint.collate) and "
+    "attention": "use attn_implementation=flash_attention_2 (varlen, cu_seq_lens_q/k from contracts.collate) and "
                  "call the model with use_cache=False",
     "gdn": "install flash-linear-attention so chunk_gated_delta_rule honours cu_seqlens (the torch fallback "
            "ignores it)",
     "conv": "install causal-conv1d so causal_conv1d_fn honours seq_idx (the torch fallback drops it); pass "
-            "seq_idx from entrypoint.collate.collate_packed",
+            "seq_idx from contracts.collate.collate_packed",
 }
 KIND_WHAT = {"attention": "full-attention output", "gdn": "GDN delta-rule core output",
              "conv": "GDN causal conv1d output"}
@@ -59,7 +59,7 @@ def decide_kind(kind: str, packed: float, withheld: float, tol: Tolerance, *, pa
     suffix = f"; {note}" if note else ""
     if math.isnan(packed) or math.isnan(withheld):
         return CheckResult(row, Status.FAIL, f"no {kind} layer was measured{suffix}",
-                           "the tiny model must contain every layer kind; fix verify/model_families.json", data)
+                           "the probe model must contain every layer kind; fix the family's probe flavour", data)
     if not withheld > tol.blind:
         return CheckResult(row, Status.FAIL, f"probe blind: {numbers} <= {tol.blind}, so this probe cannot "
                            f"see a {kind} leak{suffix}", "fix the probe (documents, model init) before trusting it",
@@ -113,24 +113,6 @@ def conv_plumbing_note(kwargs_seen: tuple[str, ...], applicable_params: tuple[st
             "no seq_idx parameter, so transformers' wrapper drops it (torch fallback)")
 
 
-def prepare_probe_model(model):
-    """Make the GDN state persist across tokens so a leaked state is visible.
-
-    Random init gives A in U(0.01, 16), so most heads forget their state within a token or two and
-    the delta-rule leak measured ~0.05 rel: too close to bf16 noise. Small decays (A in 0.05..0.5)
-    carry the previous document's state into the next one, which is what a real checkpoint does.
-    """
-    import torch
-
-    with torch.no_grad():
-        for layer in model.model.layers:
-            gdn = getattr(layer, "linear_attn", None)
-            if gdn is not None:
-                n = gdn.A_log.numel()
-                gdn.A_log.copy_(torch.linspace(0.05, 0.5, n, device=gdn.A_log.device).log().to(gdn.A_log.dtype))
-    return model.eval()
-
-
 def judge(measurement, tol: Tolerance, conv_note: str = "") -> list[CheckResult]:
     rows = [decide_kind(kind, measurement.packed.get(kind, float("nan")), measurement.withheld.get(kind, float("nan")),
                         tol, packed_abs=measurement.packed_abs.get(kind, float("nan")),
@@ -145,26 +127,27 @@ def judge(measurement, tol: Tolerance, conv_note: str = "") -> list[CheckResult]
 def run(ctx: Context) -> list[CheckResult]:
     import torch
 
+    from families.runtime import hooks, modeling_module, probe_dtype
     from verify.checks.dispatch import read_resolution
     from verify.packing_probe import measure
-    from verify.tiny_model import build_tiny_model, model_dtype, modeling_module
+    from verify.probe import build_probe_model
 
     if ctx.device.startswith("cuda") and not torch.cuda.is_available():
         return [CheckResult("isolation", Status.FAIL, "needs CUDA: --device cuda but no CUDA device",
                             "run on a GPU host, or --device cpu to probe the torch path")]
     family = ctx.family
     module = modeling_module(family)
-    dtype = model_dtype(ctx.device)
+    dtype = probe_dtype(ctx.device)
     note = ""
     try:
-        model = build_tiny_model(family, attn_implementation=ctx.attn_implementation, device=ctx.device, dtype=dtype)
+        model = build_probe_model(ctx, attn_implementation=ctx.attn_implementation, dtype=dtype)
     except ImportError as exc:
         # Still measure the GDN and conv kinds; the attention row says what it ran on.
         note = f"{ctx.attn_implementation} unavailable ({type(exc).__name__}, see dispatch.attention)"
-        model = build_tiny_model(family, attn_implementation="sdpa", device=ctx.device, dtype=dtype)
-    prepare_probe_model(model)
-    conv = next(f for f in family.required_fused if f.replaces == "causal_conv1d_fn")
-    m = measure(model, module, device=ctx.device, conv_wrapper=conv.wrapper)
+        model = build_probe_model(ctx, attn_implementation="sdpa", dtype=dtype)
+    hooks(family).prepare_probe_model(model)
+    conv = next(f for f in family.fused_functions if f.boundary_kwarg == "seq_idx")
+    m = measure(model, module, family, device=ctx.device, conv_wrapper=conv.wrapper)
     tol = TOLERANCES[str(dtype).removeprefix("torch.")]
     resolution = read_resolution(module, conv.wrapper)
     rows = judge(m, tol, conv_note=conv_plumbing_note(m.conv_kwargs_seen, resolution.applicable_params))

@@ -1,0 +1,44 @@
+"""The build lock for a plan: what the image (or a GPU host, for `kernels build-here`) holds.
+Its format is contracts.lock, the one definition verify/ and entrypoint/ read."""
+from __future__ import annotations
+
+from build.kernels.wheel import KernelWheel
+from build.resolve import BuildPlan
+from build.wheelhouse import Wheel
+from contracts.lock import BuildLock, LockedKernel, LockedPackage
+
+
+def locked_kernels(plan: BuildPlan, kernel_wheels: tuple[KernelWheel, ...]) -> tuple[LockedKernel, ...]:
+    """One entry per installed wheel, named by the distribution that wheel installs: a kernel
+    shipped as several wheels (flash-linear-attention + fla-core) gets one entry each, so
+    verify hashes every installed file of each against its RECORD."""
+    by_kernel: dict[str, list[KernelWheel]] = {}
+    for kw in kernel_wheels:
+        by_kernel.setdefault(kw.name, []).append(kw)
+    out = []
+    for k in plan.kernels:
+        for kw in sorted(by_kernel.get(k.name, []), key=lambda w: w.filename):
+            out.append(LockedKernel(
+                name=k.name, distribution=kw.distribution, version=kw.version, kind=k.kind,
+                import_name=k.import_name, key=k.key, wheel=kw.filename, sha256=kw.sha256,
+                extension_module=k.extension_module, entry_points=k.entry_points, replaces=k.replaces,
+                python_api=dict(k.python_api), profile_kernels=dict(k.profile_kernels), archs=kw.archs,
+                specialisation=k.specialisation))
+    return tuple(out)
+
+
+def make_lock(plan: BuildPlan, wheels: tuple[Wheel, ...], kernel_wheels: tuple[KernelWheel, ...],
+              base_ids: dict[str, str], *, packages: tuple[LockedPackage, ...] | None = None,
+              transformers: str = "") -> BuildLock:
+    kernel_files = {kw.filename for kw in kernel_wheels}
+    if packages is None:
+        packages = tuple(LockedPackage(name=w.name, version=w.version, filename=w.filename, sha256=w.sha256)
+                         for w in sorted(wheels, key=lambda w: w.name) if w.filename not in kernel_files)
+    transformers = transformers or next((p.version for p in packages if p.name == "transformers"), "")
+    tc = plan.toolchain
+    return BuildLock(image=plan.spec.name, plan_key=plan.plan_key, python=tc.python, torch=tc.torch_version,
+                     cuda=tc.cuda, cxx11_abi=tc.cxx11_abi, compiler=tc.compiler, transformers=transformers,
+                     model_family=plan.spec.model_family, target_archs=plan.spec.target_archs,
+                     attn_implementation=plan.spec.attn_implementation,
+                     kernels=locked_kernels(plan, kernel_wheels), packages=packages,
+                     base_images=dict(sorted(base_ids.items())), finetune_defaults=plan.spec.finetune_defaults)

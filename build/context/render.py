@@ -1,0 +1,172 @@
+"""Render a complete, self-contained build context: Dockerfile, lock, SBOM, wheelhouse, app code.
+
+The context is deterministic: the same plan, wheels and code give the same files with the same
+mtimes (SOURCE_DATE_EPOCH), and its digest names exactly what the image is built from. Labels
+are not Dockerfile text: they go to the engine as data (the build API's `labels`), so no spec
+value is ever parsed as a Dockerfile instruction or expanded as a variable.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.utils import parse_wheel_filename
+
+from build import outdir
+from build.cache import CacheLayout, link_or_copy, sha256_file
+from build.context.lockfile import make_lock
+from build.context.sbom import render_sbom
+from build.kernels.wheel import KernelWheel
+from build.resolve import BuildPlan
+from build.spec import REPO_ROOT
+from build.templating import render_template
+from build.wheelhouse import Wheel, requirements_lock
+from contracts.lock import LOCK_PATH, BuildLock
+
+# What runs in the image, and nothing else: no tests, no fixtures, no dev tools.
+APP_PACKAGES = ("contracts", "families", "verify", "entrypoint")
+APP_SUFFIXES = {".py", ".json", ".yaml"}
+VENV = "/opt/ftimage/venv"
+APP_DIR = "/opt/ftimage/app"
+GATE = "/opt/ftimage/bin/ftimage-gate"
+
+
+@dataclass(frozen=True)
+class RenderedContext:
+    directory: Path
+    lock: BuildLock
+    labels: dict[str, str]
+    digest: str
+    files: int
+
+
+def source_date_epoch() -> int:
+    """SOURCE_DATE_EPOCH if set; else the commit time of HEAD, so a checkout renders reproducibly."""
+    env = os.environ.get("SOURCE_DATE_EPOCH")
+    if env and env.isdigit():
+        return int(env)
+    try:
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), "log", "-1", "--format=%ct"], capture_output=True,
+                             text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip().isdigit():
+            return int(out.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return 0
+
+
+def render_dockerfile(plan: BuildPlan, base_refs: dict[str, str], epoch: int) -> str:
+    spec = plan.spec
+    return render_template(
+        "Dockerfile.j2",
+        image=spec.name, plan_key=plan.plan_key, builder_base=base_refs["builder"],
+        runtime_base=base_refs["runtime"], source_date_epoch=epoch, venv=VENV, app_dir=APP_DIR,
+        etc_dir=str(LOCK_PATH.parent), user=spec.user.name, uid=spec.user.uid, gid=spec.gid, gate=GATE,
+        python_minor=plan.toolchain.python, runtime_needs_compiler=any(k.kind == "triton" for k in plan.kernels))
+
+
+def image_labels(plan: BuildPlan, base_refs: dict[str, str], epoch: int) -> dict[str, str]:
+    """User labels first, then the build's own, which a spec can never override (validate.py
+    refuses those keys; this order makes sure of it)."""
+    created = datetime.datetime.fromtimestamp(epoch, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    labels = dict(plan.spec.labels)
+    labels.update({
+        "org.opencontainers.image.title": plan.spec.name,
+        "org.opencontainers.image.description": plan.spec.description,
+        "org.opencontainers.image.created": created,
+        "org.opencontainers.image.version": plan.plan_key[:12],
+        "org.opencontainers.image.base.name": base_refs["runtime"],
+        "io.ftimage.plan-key": plan.plan_key,
+        "io.ftimage.toolchain": plan.toolchain.name,
+        "io.ftimage.target-archs": ",".join(plan.spec.target_archs),
+        "io.ftimage.kernels": ",".join(f"{k.name}@{k.version}" for k in plan.kernels),
+        "io.ftimage.model-family": plan.spec.model_family,
+        "io.ftimage.lock.path": str(LOCK_PATH),
+        "io.ftimage.gate": GATE,
+    })
+    return labels
+
+
+def render_context(plan: BuildPlan, directory: Path, *, wheels: tuple[Wheel, ...], cache: CacheLayout,
+                   kernel_wheels: tuple[KernelWheel, ...] = (), base_refs: dict[str, str] | None = None,
+                   base_ids: dict[str, str] | None = None, epoch: int | None = None,
+                   force: bool = False) -> RenderedContext:
+    """Write the context into `directory` (see build/outdir.py for what may be replaced there).
+    Wheels are hard-linked from the cache."""
+    epoch = source_date_epoch() if epoch is None else epoch
+    base_refs = base_refs or {"builder": plan.spec.builder_base.describe(),
+                              "runtime": plan.spec.runtime_base.describe()}
+    staging = outdir.staging_beside(directory)
+    try:
+        lock, labels, inputs = _write(plan, staging, wheels, cache, kernel_wheels, base_refs, base_ids or {}, epoch)
+        context_digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+        outdir.publish_render(staging, directory, force=force)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    _normalise_mtimes(directory, epoch)
+    return RenderedContext(directory=directory, lock=lock, labels=labels, digest=context_digest, files=len(inputs))
+
+
+def _write(plan, directory, wheels, cache, kernel_wheels, base_refs, base_ids, epoch):
+    (directory / "wheelhouse").mkdir(parents=True)
+    lock = make_lock(plan, wheels, kernel_wheels, base_ids)
+    inputs: list[dict[str, str]] = []
+    for wheel in wheels:
+        link_or_copy(cache.wheel_path(wheel.sha256, wheel.filename), directory / "wheelhouse" / wheel.filename)
+        inputs.append({"path": f"wheelhouse/{wheel.filename}", "sha256": wheel.sha256, "kind": "wheel"})
+    all_wheels = list(wheels)
+    for kw in kernel_wheels:
+        link_or_copy(kw.path, directory / "wheelhouse" / kw.filename)
+        inputs.append({"path": f"wheelhouse/{kw.filename}", "sha256": kw.sha256, "kind": "kernel-wheel",
+                       "key": kw.key})
+        name, version, _, _ = parse_wheel_filename(kw.filename)
+        all_wheels.append(Wheel(name=str(name), version=str(version), filename=kw.filename, sha256=kw.sha256))
+    labels = image_labels(plan, base_refs, epoch)
+    texts = {
+        "wheelhouse/requirements.lock.txt": requirements_lock(tuple(all_wheels)),
+        "build.lock.json": lock.to_json(),
+        "sbom.cdx.json": render_sbom(lock, epoch),
+        "plan.json": plan.to_json(),
+        "labels.json": json.dumps(labels, sort_keys=True, indent=2) + "\n",
+        "Dockerfile": render_dockerfile(plan, base_refs, epoch),
+    }
+    texts["ftimage-gate"] = render_template("ftimage-gate.j2", venv=VENV)
+    for rel, text in texts.items():
+        (directory / rel).write_text(text)
+    (directory / "ftimage-gate").chmod(0o755)  # COPY keeps the mode (the classic builder has no --chmod)
+    for package in APP_PACKAGES:
+        copy_app(REPO_ROOT / package, directory / "app" / package)
+    for path in sorted((directory / "app").rglob("*")):
+        if path.is_file():
+            inputs.append({"path": str(path.relative_to(directory)), "sha256": sha256_file(path), "kind": "code"})
+    for rel in sorted(texts):
+        inputs.append({"path": rel, "sha256": hashlib.sha256(texts[rel].encode()).hexdigest(), "kind": "rendered"})
+    inputs.sort(key=lambda i: i["path"])
+    (directory / "inputs.json").write_text(json.dumps(inputs, indent=1, sort_keys=True) + "\n")
+    (directory / ".dockerignore").write_text("inputs.json\nplan.json\nlabels.json\n.ftimage-render\n")
+    return lock, labels, inputs
+
+
+def copy_app(src: Path, dest: Path) -> None:
+    """The package's runtime files only: no caches, no test modules."""
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if not path.is_file() or path.suffix not in APP_SUFFIXES or "__pycache__" in rel.parts:
+            continue
+        if path.name.startswith("test_") or path.name == "conftest.py":
+            continue
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+
+
+def _normalise_mtimes(directory: Path, epoch: int) -> None:
+    for path in [directory, *directory.rglob("*")]:
+        if not path.is_symlink():
+            os.utime(path, (epoch, epoch))

@@ -1,0 +1,50 @@
+"""CycloneDX SBOM of everything the image installs, generated from the lock (so it cannot drift)."""
+from __future__ import annotations
+
+import datetime
+import uuid
+
+from cyclonedx.model import HashAlgorithm, HashType, Property
+from cyclonedx.model.bom import Bom
+from cyclonedx.model.bom_ref import BomRef
+from cyclonedx.model.component import Component, ComponentType
+from cyclonedx.model.dependency import Dependency
+from cyclonedx.output.json import JsonV1Dot5
+from packageurl import PackageURL
+
+from contracts.lock import BuildLock
+
+
+def render_sbom(lock: BuildLock, source_date_epoch: int) -> str:
+    # Deterministic serial number and timestamp: equal locks give byte-identical SBOMs.
+    bom = Bom(serial_number=uuid.uuid5(uuid.NAMESPACE_URL, f"ftimage:{lock.plan_key}"))
+    bom.metadata.timestamp = datetime.datetime.fromtimestamp(source_date_epoch, datetime.UTC)
+    root = Component(name=lock.image, version=lock.plan_key[:12], type=ComponentType.CONTAINER,
+                     bom_ref=BomRef(f"ftimage:{lock.image}@{lock.plan_key}"))
+    bom.metadata.component = root
+    refs = []
+    for pkg in lock.packages:
+        ref = BomRef(f"pkg:pypi/{pkg.name}@{pkg.version}")
+        bom.components.add(Component(
+            name=pkg.name, version=pkg.version, type=ComponentType.LIBRARY, bom_ref=ref,
+            purl=PackageURL("pypi", None, pkg.name, pkg.version, qualifiers={"file_name": pkg.filename}),
+            hashes=[HashType(alg=HashAlgorithm.SHA_256, content=pkg.sha256)]))
+        refs.append(ref)
+    for kernel in lock.kernels:
+        ref = BomRef(f"ftimage-kernel:{kernel.distribution}@{kernel.version}#{kernel.key[:16]}")
+        bom.components.add(Component(
+            name=kernel.distribution, version=kernel.version, type=ComponentType.LIBRARY, bom_ref=ref,
+            purl=PackageURL("pypi", None, kernel.distribution, kernel.version, qualifiers={"file_name": kernel.wheel}),
+            hashes=[HashType(alg=HashAlgorithm.SHA_256, content=kernel.sha256)],
+            properties=[Property(name="ftimage:kernel-key", value=kernel.key),
+                        Property(name="ftimage:kernel", value=kernel.name),
+                        Property(name="ftimage:kind", value=kernel.kind),
+                        Property(name="ftimage:archs", value=",".join(kernel.archs) or "-")]))
+        refs.append(ref)
+    for stage, image_id in sorted(lock.base_images.items()):
+        ref = BomRef(f"ftimage-base:{stage}")
+        bom.components.add(Component(name=f"base-{stage}", version=image_id, type=ComponentType.CONTAINER,
+                                     bom_ref=ref))
+        refs.append(ref)
+    bom.dependencies.add(Dependency(ref=root.bom_ref, dependencies=[Dependency(ref=r) for r in refs]))
+    return JsonV1Dot5(bom).output_as_string(indent=2) + "\n"

@@ -1,0 +1,62 @@
+"""The container engine behind a small interface. Docker (through the docker SDK) is the one
+real implementation (docker_engine.py); tests drive the pipeline with a fake
+(tests/fakes/engine.py), so the cache-hit and rebuild logic is covered without dockerd.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from contracts.events import EventLog
+
+
+@dataclass(frozen=True)
+class BuiltImage:
+    id: str
+    tag: str
+    size_bytes: int
+    step_seconds: tuple[tuple[str, float], ...]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    exit_code: int
+    output: str
+
+
+class Engine(Protocol):
+    def image(self, ref: str) -> dict[str, Any] | None:
+        """The image's inspect data, or None if the engine does not have it."""
+
+    def tag(self, image_id: str, ref: str) -> None: ...
+
+    def remove(self, ref: str) -> None: ...
+
+    def import_rootfs(self, tarball: Path, ref: str, changes: list[str]) -> str: ...
+
+    def history(self, ref: str) -> list[dict[str, Any]]: ...
+
+    def build(self, context: Path, tag: str, labels: dict[str, str], log: EventLog, *,
+              expected_steps_seconds: float | None = None) -> BuiltImage:
+        """Build with live progress (step N/M, elapsed, ETA)."""
+
+    def run(self, image: str, command: list[str] | None = None, *, network: str = "none",
+            volumes: dict[str, dict[str, str]] | None = None, environment: dict[str, str] | None = None,
+            user: str | None = None, entrypoint: list[str] | None = None, timeout: float = 3600,
+            mem_limit: str | None = None, labels: dict[str, str] | None = None,
+            on_output: Callable[[str], None] | None = None) -> RunResult:
+        """Run to completion (output streamed line by line to on_output); the container is removed."""
+
+    def remove_containers(self, label: str) -> int:
+        """Remove every container carrying `label` (key=value); returns how many."""
+
+    def images_with_label(self, label: str) -> list[dict[str, Any]]:
+        """Images carrying `label` (key or key=value), newest first."""
+
+
+def connect() -> Engine:
+    from build.engine.docker_engine import DockerEngine
+
+    return DockerEngine.connect()

@@ -1,0 +1,201 @@
+"""`python -m build kernels build-here IMAGE_DIR`: compile and check an image's kernels on THIS
+machine, without Docker, for its own Python, torch and GPU arch.
+
+It runs the same recipe (recipe.py) with the same pinned sdists, patches, knobs and
+specialisation as an image build, and the same GPU-free checks; only the toolchain is the
+one installed here instead of the pinned one. Used to prove the kernels on a bare GPU host
+(bench/gpu_proof), where the image's own toolchain (another Python) cannot run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from build import outdir, proc
+from build.cache import CacheLayout, sha256_file
+from build.context.lockfile import make_lock
+from build.errors import BuildFailure
+from build.kernels.archs import archs_of_wheel
+from build.kernels.checks import (
+    CheckRow,
+    arch_rows,
+    fail_on,
+    kernel_check_config,
+    parse_rows,
+    render_rows,
+    version_rows,
+)
+from build.kernels.compile import RECIPE, parallel_jobs, stage_inputs
+from build.kernels.progress import CompileProgress
+from build.kernels.wheel import KernelWheel
+from build.resolve import BuildPlan, KernelPlan
+from build.resolve.host import resolve_for_host
+from build.sources import fetch_pinned
+from build.spec import SpecErrors, load_image_spec, load_manifest
+from contracts import atomic
+from contracts.events import EventLog
+from contracts.lock import LockedPackage
+from contracts.schema import Problems
+
+
+@dataclass
+class HostKernel:
+    name: str
+    wheel: Path
+    seconds: float = 0.0
+    jobs: int = 0
+    sources: int = 0
+    rows: list[CheckRow] = field(default_factory=list)
+
+
+def plan_here(image_dir: Path, manifest_path: Path, archs: tuple[str, ...]) -> BuildPlan:
+    problems = Problems()
+    manifest = load_manifest(manifest_path, problems)
+    spec = load_image_spec(image_dir, problems)
+    if spec is None:
+        problems.raise_if_any(SpecErrors)
+    return resolve_for_host(spec, manifest, archs, problems)
+
+
+def split_jobs(kernels: list[KernelPlan], cores: int) -> dict[str, int]:
+    """Share the cores (and memory) between kernels compiled at once, by how many sources each
+    has: a kernel never gets more jobs than it has sources to compile."""
+    sources = {k.name: (k.estimate.sources if k.estimate else 4) for k in kernels}
+    total = sum(sources.values()) or 1
+    out = {}
+    for k in kernels:
+        share = max(1, round(cores * sources[k.name] / total))
+        out[k.name] = max(1, min(share, sources[k.name], parallel_jobs(k.memory_per_job_gb, cores=cores)))
+    return out
+
+
+def compile_here(kernel: KernelPlan, plan: BuildPlan, *, cache: CacheLayout, work: Path, jobs: int,
+                 log: EventLog) -> HostKernel:
+    sdist = fetch_pinned(kernel.sources[0], cache, log)
+    inputs, out = work / "in", work / "out"
+    shutil.rmtree(work, ignore_errors=True)
+    stage_inputs(inputs, kernel, sdist)
+    check_config = json.dumps(kernel_check_config(kernel, plan=plan, check_lock=False))
+    command = [sys.executable, str(RECIPE), "--sdist", str(inputs / "src" / sdist.name), "--patches",
+               str(inputs / "patches"), "--out", str(out), "--work", str(work / "scratch"), "--jobs", str(jobs),
+               "--check-script", str(inputs / "check.py"), "--check-config", check_config]
+    for key, value in sorted(kernel.build_env.items()):
+        command += ["--env", f"{key}={value}"]
+    expected = kernel.estimate.wall_seconds(jobs) if kernel.estimate else None
+    progress = CompileProgress(log, kernel.name, expected_seconds=expected)
+    log.emit("compile", f"{kernel.name} {kernel.version} for {','.join(kernel.archs)} here, {jobs} job(s)",
+             step=kernel.name, eta=expected)
+    started = time.monotonic()
+    child = proc.popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                       env={**os.environ, "PYTHONPATH": ""})
+    lines: list[str] = []
+    assert child.stdout is not None
+    with (work / "build.log").open("w") as build_log:
+        for line in child.stdout:
+            build_log.write(line)
+            lines.append(line.rstrip("\n"))
+            progress.feed(lines[-1])
+    code = child.wait()
+    seconds = time.monotonic() - started
+    output = "\n".join(lines)
+    if code != 0:
+        tail = "\n".join(lines[-30:])
+        raise BuildFailure(f"compiling {kernel.name} failed (exit {code}); last lines:\n{tail}",
+                           f"read the compiler error above; the full log is {work / 'build.log'}")
+    progress.finish(f"compiled in {seconds:.0f}s")
+    wheels = sorted((out / "dist").glob("*.whl"))
+    if len(wheels) != 1:
+        raise BuildFailure(f"the {kernel.name} build produced {len(wheels)} wheels, expected 1", "see the build log")
+    rows = parse_rows(output) or [CheckRow(kernel.name, "import checks", "FAIL", "the check script printed no result",
+                                           "see the build log")]
+    observed = json.loads((out / "observed.json").read_text())
+    rows += version_rows(kernel.name, observed, plan.toolchain) + arch_rows(kernel.name, archs_of_wheel(wheels[0]),
+                                                                            kernel.archs)
+    return HostKernel(name=kernel.name, wheel=wheels[0], seconds=round(seconds, 1), jobs=jobs,
+                      sources=kernel.estimate.sources if kernel.estimate else 0, rows=rows)
+
+
+def build_here(image_dir: Path, *, manifest_path: Path, cache: CacheLayout, out: Path, archs: tuple[str, ...],
+               log: EventLog, cores: int | None = None, install: Path | None = None, lock_path: Path | None = None,
+               force: bool = False) -> dict:
+    plan = plan_here(image_dir, manifest_path, archs)
+    outdir.claim(out, outdir.OUTPUT_MARKER, what="output folder", option="--out", force=force)
+    (out / "wheels").mkdir(exist_ok=True)
+    compiled = [k for k in plan.kernels if k.compiled]
+    jobs = split_jobs(compiled, cores or os.cpu_count() or 1)
+    results: dict[str, HostKernel] = {}
+    errors: dict[str, BaseException] = {}
+
+    def worker(kernel: KernelPlan) -> None:
+        try:
+            results[kernel.name] = compile_here(kernel, plan, cache=cache, work=out / "work" / kernel.name,
+                                                jobs=jobs[kernel.name], log=log)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread below
+            errors[kernel.name] = exc
+
+    threads = [threading.Thread(target=worker, args=(k,), name=f"compile-{k.name}") for k in compiled]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        name, exc = next(iter(errors.items()))
+        if isinstance(exc, BuildFailure):
+            raise exc
+        raise BuildFailure(f"compiling {name} crashed: {type(exc).__name__}: {exc}", "see the log above")
+    rows = [r for k in compiled for r in results[k.name].rows]
+    log.emit("check", f"checks:\n{render_rows(rows)}")
+    fail_on(rows, "a kernel built here is unsound")
+    kernel_wheels = []
+    for kernel in plan.kernels:
+        if kernel.compiled:
+            built = results[kernel.name]
+            dest = out / "wheels" / built.wheel.name
+            shutil.copyfile(built.wheel, dest)
+            kernel_wheels.append(KernelWheel(name=kernel.name, key=kernel.key, filename=dest.name,
+                                             sha256=sha256_file(dest), path=dest,
+                                             archs=tuple(archs_of_wheel(dest).sass)))
+        else:
+            for source in kernel.sources:
+                path = fetch_pinned(source, cache, log)
+                dest = out / "wheels" / source.filename
+                shutil.copyfile(path, dest)
+                kernel_wheels.append(KernelWheel(name=kernel.name, key=kernel.key, filename=dest.name,
+                                                 sha256=source.sha256, path=dest))
+    if install:
+        proc.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
+                  "--disable-pip-version-check", "--target", str(install), *(str(w.path) for w in kernel_wheels)],
+                 check=True)
+    summary = {"image": plan.spec.name, "archs": list(plan.spec.target_archs),
+               "toolchain": {"python": plan.toolchain.python, "torch": plan.toolchain.torch_version,
+                             "cuda": plan.toolchain.cuda, "compiler": plan.toolchain.compiler},
+               "kernels": {name: {"seconds": r.seconds, "jobs": r.jobs, "sources": r.sources, "wheel": r.wheel.name,
+                                  "wheel_bytes": r.wheel.stat().st_size,
+                                  "checks": [f"{x.check}: {x.status}" for x in r.rows]}
+                           for name, r in results.items()},
+               "specialisation": {k.name: k.to_dict()["specialisation"] for k in plan.kernels}}
+    atomic.write_json(out / "compile.json", summary, sort_keys=True)
+    if lock_path:
+        atomic.write_text(lock_path, host_lock(plan, tuple(kernel_wheels)).to_json())
+    return summary
+
+
+def host_lock(plan: BuildPlan, kernel_wheels: tuple[KernelWheel, ...]):
+    """The lock for this machine: the kernels built here, and the torch and transformers it has."""
+    import importlib.metadata as md
+
+    packages = []
+    for name in ("torch", "transformers"):
+        try:
+            packages.append(LockedPackage(name=name, version=md.version(name), filename="(installed)", sha256=""))
+        except md.PackageNotFoundError:
+            pass
+    transformers = next((p.version for p in packages if p.name == "transformers"), "")
+    return make_lock(plan, (), kernel_wheels, {}, packages=tuple(packages), transformers=transformers)

@@ -1,0 +1,264 @@
+"""The finetune config schema: image defaults (from the lock) < user YAML < flags < KEY=VALUE.
+
+A contract between build/ (which validates an image's finetune defaults with it, so bad
+defaults fail the build rather than every job started from the image) and entrypoint/
+(which trains with it). Every field is documented where it is declared. Loading collects
+ALL problems (unknown keys with a did-you-mean, wrong types, values out of range) and
+raises one ConfigError that lists each with a fix.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from contracts import safe_yaml
+from contracts.schema import InvalidInput, Problem, Problems, Reader, rule
+
+CONFIG_FILE_LABEL = "config"   # how problems from merged layers are attributed
+
+
+class ConfigError(InvalidInput):
+    title = "the finetune config"
+
+    def __str__(self) -> str:
+        return "invalid finetune config:\n" + "\n".join(f"  {p.field}: {p.problem}\n    fix: {p.fix}"
+                                                        for p in self.problems)
+
+
+def _positive(name: str):
+    return rule(ge=1, fix=f"set {name} to a positive integer")
+
+
+def _non_negative(name: str):
+    return rule(ge=0, fix=f"set {name} to 0 or more")
+
+
+def _finite_positive(value: float):
+    if not math.isfinite(value) or value <= 0:
+        return f"must be a finite number > 0, got {value!r}", "set a positive learning rate, e.g. 2e-5"
+    return None
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: str = ""                        # local HF-format dir (mounted), or a hub id if the cluster has network
+    tokenizer: str = ""                   # tokenizer dir/id; empty = same as path
+    attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto"  # auto = the lock's
+    #                                       promise (flash_attention_2 on GPU images), else sdpa
+    trust_remote_code: bool = False       # never needed for Qwen3.5 (native in transformers 5.x)
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    path: str = ""                        # chat data: .jsonl/.json (one row per line) or .parquet
+    format: Literal["auto", "jsonl", "parquet"] = "auto"
+    messages_field: str = "messages"      # column holding the list of {role, content}
+    max_length: int = field(default=8192, metadata=_positive("data.max_length"))  # longest document in
+    #                                       tokens; must be <= packing.budget
+    overlong: Literal["truncate", "skip"] = "truncate"  # policy for rows longer than max_length
+    end_of_turn: str = "auto"             # token that ends an assistant turn (in the loss); auto = <|im_end|> or eos
+    max_rows: int = field(default=0, metadata=_non_negative("data.max_rows"))  # read at most this many rows
+    #                                       (0 = all); for quick trials
+    max_row_bytes: int = field(default=8 << 20, metadata=rule(ge=1024, le=1 << 30, fix="set data.max_row_bytes "
+                                                               "between 1 KiB and 1 GiB"))  # a longer JSONL line
+    #                                       is a counted bad row, never read into memory whole
+
+
+@dataclass(kw_only=True)
+class PackingConfig:
+    mode: Literal["packed", "padded"] = "packed"  # 1D varlen rows, or the 2D baseline. Fallback forces padded.
+    budget: int = field(default=8192, metadata=_positive("packing.budget"))  # tokens per micro-batch
+    shuffle_window: int = field(default=10000, metadata=_positive("packing.shuffle_window"))  # documents
+    #                                       shuffled together and best-fit-decreasing packed per window
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    max_steps: int = field(default=1000, metadata=_positive("train.max_steps"))  # optimizer steps
+    grad_accum: int = field(default=1, metadata=_positive("train.grad_accum"))  # micro-batches per rank per step
+    lr: float = field(default=2e-5, metadata=rule(check=_finite_positive))  # peak learning rate
+    min_lr_ratio: float = field(default=0.1, metadata=rule(ge=0.0, le=1.0, fix="set train.min_lr_ratio in "
+                                                           "[0, 1]: the cosine floor as a fraction of lr"))
+    warmup_steps: int = field(default=50, metadata=_non_negative("train.warmup_steps"))  # linear warmup from 0
+    weight_decay: float = field(default=0.0, metadata=rule(ge=0.0, fix="set train.weight_decay >= 0"))
+    beta1: float = field(default=0.9, metadata=rule(ge=0.0, le=0.999999, fix="set train.beta1 in [0, 1)"))
+    beta2: float = field(default=0.95, metadata=rule(ge=0.0, le=0.999999, fix="set train.beta2 in [0, 1)"))
+    eps: float = field(default=1e-8, metadata=rule(ge=0.0, le=1.0, fix="set train.eps to a small positive "
+                                                   "number, e.g. 1e-8"))
+    grad_clip: float = field(default=1.0, metadata=rule(ge=0.0, fix="set train.grad_clip >= 0 (0 disables)"))
+    seed: int = field(default=0, metadata=_non_negative("train.seed"))  # data order, init and RNG
+    loss_chunk_tokens: int = field(default=4096, metadata=_non_negative("train.loss_chunk_tokens"))  # CE computed
+    #                                       this many tokens at a time (recomputed in backward); 0 = all
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    param_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"  # compute dtype of the all-gathered
+    #                                       params (MixedPrecisionPolicy)
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # gradient reduce-scatter dtype
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"  # selective: every `ac_every`-th layer
+    ac_every: int = field(default=2, metadata=_positive("parallel.ac_every"))
+    reshard_after_forward: bool = True    # ZeRO-3 style; False keeps params gathered between fwd and bwd
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every: int = field(default=500, metadata=_non_negative("checkpoint.every"))  # save a DCP checkpoint every
+    #                                       N steps (0 = only at the end)
+    keep: int = field(default=3, metadata=_positive("checkpoint.keep"))  # keep the newest k checkpoints
+    resume: str = "auto"                  # auto (newest valid under output.dir) | never | PATH to a step dir
+    export: bool = True                   # write HF safetensors (from_pretrained-loadable) at the end
+    export_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+
+
+@dataclass(kw_only=True)
+class OutputConfig:
+    dir: str = "./finetune-out"           # checkpoints, metrics.jsonl, run_report.json, caches
+    log_every: int = field(default=10, metadata=_positive("output.log_every"))  # steps per metrics line
+    profile_steps: str = ""               # "a:b" = torch.profiler trace over steps [a, b)
+    peak_tflops: float = field(default=0.0, metadata=rule(ge=0.0, fix="set output.peak_tflops >= 0 "
+                                                          "(0 = look the GPU up)"))
+    tensorboard: bool = False             # also write metrics as TensorBoard events (output.dir/tensorboard)
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    nproc_per_node: int = field(default=0, metadata=_non_negative("launch.nproc_per_node"))  # 0 = one per
+    #                                       visible GPU, or 1 on CPU
+    nnodes: int = field(default=0, metadata=_non_negative("launch.nnodes"))  # 0 = from $NNODES-style env, else 1
+    rdzv: Literal["auto", "static", "c10d"] = "auto"  # auto: static on 1 node / c10d when RDZV_ENDPOINT is set
+    master_port: int = field(default=0, metadata=rule(ge=0, le=65535, fix="set launch.master_port in 1..65535 "
+                                                      "(0 = pick a free port)"))
+    timeout_minutes: int = field(default=30, metadata=rule(ge=1, le=24 * 60, fix="set launch.timeout_minutes "
+                                                           "in 1..1440"))  # collective timeout: how long a
+    #                                       rank waits for the others before the run fails
+
+
+@dataclass(kw_only=True)
+class FinetuneConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse_override(text: str) -> tuple[str, str]:
+    """`train.lr=1e-4` -> ("train.lr", "1e-4"). The value stays text and is converted by the
+    field's declared type: YAML-parsing it would turn `5:8` into the sexagesimal int 308."""
+    if "=" not in text:
+        raise ConfigError([Problem("command line", text, "override is not KEY=VALUE",
+                                   "write e.g. train.max_steps=100", "bad-override")])
+    key, raw = text.split("=", 1)
+    return key.strip(), raw
+
+
+def set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError([Problem("command line", dotted, f"{p} is not a section", "use section.key=value",
+                                       "bad-override")])
+    node[leaf] = value
+
+
+def merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    try:
+        data = safe_yaml.load_file(p)
+    except safe_yaml.YamlRefused as exc:
+        problem = "config file not found" if exc.code == "missing-file" else exc.problem
+        where = f" at {exc.where}" if exc.where else ""
+        raise ConfigError([Problem(str(p), "(file)", problem + where,
+                                   "pass --config PATH to an existing YAML file" if exc.code == "missing-file"
+                                   else exc.fix, exc.code)]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([Problem(str(p), "(file)", "top level is not a mapping",
+                                   "write sections like `model:`, `data:`", "wrong-type")])
+    return data
+
+
+def build_config(layers: list[dict], *, file: str = CONFIG_FILE_LABEL, require_paths: bool = True) -> FinetuneConfig:
+    """Merge raw dict layers (lowest priority first) into a validated FinetuneConfig."""
+    raw: dict = {}
+    for layer in layers:
+        raw = merge(raw, layer)
+    problems = Problems()
+    cfg = Reader(file, problems, strings_convert=True).read(FinetuneConfig, raw)
+    if cfg is not None:
+        for where, problem, fix in cross_field_problems(cfg, require_paths=require_paths):
+            if not problems.touches(file, where):
+                problems.add(file, where, problem, fix)
+    problems.raise_if_any(ConfigError)
+    return cfg
+
+
+def cross_field_problems(cfg: FinetuneConfig, *, require_paths: bool = True) -> list[tuple[str, str, str]]:
+    problems = []
+    if require_paths and not cfg.model.path:
+        problems.append(("model.path", "not set", "set model.path to a mounted HF model directory"))
+    if require_paths and not cfg.data.path:
+        problems.append(("data.path", "not set", "set data.path to a .jsonl or .parquet chat file"))
+    if cfg.data.max_length > cfg.packing.budget:
+        problems.append(("data.max_length", f"{cfg.data.max_length} exceeds packing.budget {cfg.packing.budget}",
+                         "lower data.max_length or raise packing.budget; a document must fit one micro-batch"))
+    if cfg.output.profile_steps:
+        try:
+            parse_profile_steps(cfg.output.profile_steps)
+        except ValueError as exc:
+            problems.append(("output.profile_steps", str(exc), "write START:STOP with 0 < START < STOP, e.g. 5:8"))
+    return problems
+
+
+def parse_profile_steps(text: str) -> tuple[int, int]:
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"{text!r} is not START:STOP") from None
+    if not 0 < a < b:
+        raise ValueError(f"{text!r} needs 0 < START < STOP")
+    return a, b
+
+
+def from_dict(data: dict) -> FinetuneConfig:
+    """Rebuild a config written by to_dict (the worker reads the launcher's plan)."""
+    return build_config([data])
+
+
+def provenance(named_layers: list[tuple[str, dict]]) -> dict[str, str]:
+    """Dotted key -> the name of the layer that set it last (image default, file, flag, override)."""
+    source: dict[str, str] = {}
+
+    def walk(name: str, tree: dict, prefix: str) -> None:
+        for key, value in tree.items():
+            dotted = f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(name, value, dotted + ".")
+            else:
+                source[dotted] = name
+
+    for name, layer in named_layers:
+        walk(name, layer, "")
+    return source

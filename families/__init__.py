@@ -1,0 +1,148 @@
+"""Model families: the one home of everything the project knows about a model family.
+
+    families/<name>.yaml   the facts, as data: modeling classes, layer kinds and the fused
+                           functions each needs (with the kwarg that carries document
+                           boundaries), what its attention uses (head dims, dtypes,
+                           features), and its flavours (tiny test model, verify's probe,
+                           the GPU benchmark model)
+    families/<name>.py     its Python hooks (FSDP units, probe preparation)
+    families/runtime.py    builds models from flavours (torch + transformers)
+
+This module reads the data only (no torch), so `python -m build --plan` stays fast.
+Which kernel backs a function is not a family fact: the kernels manifest's `replaces:`
+says that, and the build lock records it.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+from contracts import safe_yaml
+from contracts.schema import InvalidInput, Problems, Reader, rule
+
+FAMILIES_DIR = Path(__file__).resolve().parent
+DEFAULT_FAMILY = "qwen3_5_text"
+NAME = r"[a-z][a-z0-9_]{0,63}"
+DTYPES = ("bf16", "fp16")
+FEATURES = ("dropout", "alibi", "softcap", "sliding_window")
+
+
+class UnknownFamily(Exception):
+    def __init__(self, name: str, known: list[str]):
+        super().__init__(f"model family {name!r} is not known (known: {', '.join(known) or 'none'})")
+        self.fix = f"build the image for one of: {', '.join(known)}, or add families/{name}.yaml"
+
+
+class FamilyError(InvalidInput):
+    title = "a model family file"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FusedFunction:
+    function: str = field(metadata=rule(pattern=NAME))        # the name kernels declare in `replaces:`
+    wrapper: str = field(metadata=rule(pattern=r"[A-Za-z_][A-Za-z0-9_]*"))  # wrapped modeling-module attribute
+    boundary_kwarg: str = field(metadata=rule(pattern=r"[a-z_]+"))  # carries document boundaries to the kernel
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerKind:
+    module: str = field(metadata=rule(pattern=r"[A-Za-z_][A-Za-z0-9_]*"))  # token mixer attribute on a layer
+    measure: tuple[Literal["attention", "gdn", "conv"], ...] = ()
+    fused: tuple[FusedFunction, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionFeatures:
+    dropout: bool = False
+    alibi: bool = False
+    softcap: bool = False
+    sliding_window: bool = False
+
+    def used(self) -> tuple[str, ...]:
+        return tuple(f for f in FEATURES if getattr(self, f))
+
+
+def _head_dims(values: tuple[int, ...]):
+    bad = [v for v in values if not 8 <= v <= 1024]
+    if not values or bad:
+        return f"head dims must be 8..1024, got {list(values)}", "list the attention head dims, e.g. [256]"
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attention:
+    implementation: Literal["flash_attention_2", "sdpa", "eager"]
+    head_dims: tuple[int, ...] = field(metadata=rule(check=_head_dims))
+    dtypes: tuple[Literal["bf16", "fp16"], ...]
+    causal: bool = True
+    varlen: bool = True
+    features: AttentionFeatures = field(default_factory=AttentionFeatures)
+    config_keys: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def replaces(self) -> str:
+        """How a kernel declares that it provides this attention (`replaces:` in the manifest)."""
+        return f"attention:{self.implementation}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    name: str = field(metadata=rule(pattern=NAME))
+    modeling_module: str = field(metadata=rule(pattern=r"transformers(\.[A-Za-z_][A-Za-z0-9_]*)+"))
+    config_class: str = field(metadata=rule(pattern=r"[A-Za-z_][A-Za-z0-9_]*"))
+    causal_lm_class: str = field(metadata=rule(pattern=r"[A-Za-z_][A-Za-z0-9_]*"))
+    decoder_layers: str = field(metadata=rule(pattern=r"[A-Za-z_][A-Za-z0-9_.]*"))
+    hooks: str = field(metadata=rule(pattern=r"families\.[a-z0-9_]+"))
+    layer_kinds: dict[str, LayerKind]
+    attention: Attention
+    flavours: dict[str, dict[str, Any]]
+
+    @property
+    def fused_functions(self) -> tuple[FusedFunction, ...]:
+        return tuple(f for kind in self.layer_kinds.values() for f in kind.fused)
+
+    def needs(self) -> tuple[str, ...]:
+        """Everything the family needs backed by a fused kernel, in the manifest's vocabulary."""
+        return tuple(f.function for f in self.fused_functions) + (self.attention.replaces,)
+
+    def flavour(self, name: str, *, head_dim: int | None = None) -> dict[str, Any]:
+        """A flavour's config values, with `base:` and `attention.head_dims[0]` resolved.
+        `head_dim` overrides the attention head dim (verify passes what the lock compiled)."""
+        if name not in self.flavours:
+            raise KeyError(f"family {self.name} has no flavour {name!r} (has: {', '.join(self.flavours)})")
+        raw = dict(self.flavours[name])
+        base = raw.pop("base", None)
+        values = {**(self.flavour(base) if base else {}), **raw}
+        for key, value in list(values.items()):
+            if value == "attention.head_dims[0]":
+                values[key] = self.attention.head_dims[0]
+        if head_dim is not None and "head_dim" in values:
+            values["head_dim"] = head_dim
+        return values
+
+
+@cache
+def known_families() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in FAMILIES_DIR.glob("*.yaml") if re.fullmatch(NAME, p.stem)))
+
+
+@cache
+def load_family(name: str) -> Family:
+    """The family's facts; UnknownFamily if there is no such family, FamilyError if its file is bad."""
+    if not re.fullmatch(NAME, name or "") or name not in known_families():
+        raise UnknownFamily(name, list(known_families()))
+    path = FAMILIES_DIR / f"{name}.yaml"
+    problems = Problems()
+    try:
+        data = safe_yaml.load_file(path)
+    except safe_yaml.YamlRefused as exc:
+        problems.add(str(path), "(file)", exc.problem, exc.fix, exc.code)
+        data = None
+    family = Reader(f"families/{name}.yaml", problems).read(Family, data) if data is not None else None
+    if family is not None and family.name != name:
+        problems.add(f"families/{name}.yaml", "name", f"the file says {family.name!r}", f"set name: {name}")
+    problems.raise_if_any(FamilyError)
+    return family

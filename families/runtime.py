@@ -1,0 +1,68 @@
+"""Models of a family, built from its flavours (no hub download): the torch side of families/.
+
+Imported by verify/, entrypoint/, bench/ and the tests; never by build/.
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from families import Family
+
+
+def modeling_module(family: Family) -> ModuleType:
+    """The transformers modeling module. Importing it is what makes transformers pick its
+    kernels (once, at import), so import it only after the environment is final."""
+    return importlib.import_module(family.modeling_module)
+
+
+def hooks(family: Family) -> ModuleType:
+    return importlib.import_module(family.hooks)
+
+
+def model_config(family: Family, flavour: str = "tiny", *, attn_implementation: str, head_dim: int | None = None,
+                 **overrides):
+    config_cls = getattr(modeling_module(family), family.config_class)
+    config = config_cls(**{**family.flavour(flavour, head_dim=head_dim), **overrides})
+    config._attn_implementation = attn_implementation
+    return config
+
+
+def build_model(family: Family, flavour: str = "tiny", *, attn_implementation: str, device: str = "cpu",
+                dtype=None, seed: int = 0, head_dim: int | None = None, **overrides):
+    """Seeded, so two builds are identical; raises what transformers raises (e.g. ImportError
+    when flash_attention_2 is asked for and flash_attn is unusable)."""
+    import torch
+
+    config = model_config(family, flavour, attn_implementation=attn_implementation, head_dim=head_dim, **overrides)
+    torch.manual_seed(seed)
+    model = getattr(modeling_module(family), family.causal_lm_class)(config)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.to(device)
+
+
+def decoder_layers(family: Family, model):
+    node = model
+    for part in family.decoder_layers.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def layer_kinds(model) -> dict[int, str]:
+    """layer index -> "full_attention" | "linear_attention", from the model's own config."""
+    return dict(enumerate(model.config.layer_types[: model.config.num_hidden_layers]))
+
+
+def mixer(family: Family, layer, kind: str):
+    """The token mixer (attention or GDN module) of one decoder layer of `kind`."""
+    inner = getattr(layer, "_checkpoint_wrapped_module", layer)
+    return getattr(inner, family.layer_kinds[kind].module, None)
+
+
+def probe_dtype(device: str):
+    """fp32 on CPU (float noise ~1e-6); bf16 on CUDA, because flash-attn and fla's chunk kernel
+    refuse fp32 ("ChunkGatedDeltaRuleFunction does not support float32")."""
+    import torch
+
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
