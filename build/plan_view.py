@@ -5,14 +5,16 @@ from build.resolve import BuildPlan
 from contracts.table import render_table
 
 
-def specialisation_text(kernel) -> str:
+def specialisation_text(kernel, *, short: bool = False) -> str:
     s = kernel.specialisation
     if s.generic:
         return "generic" if kernel.compiled else "-"
-    parts = [f"head dims {','.join(map(str, s.head_dims))}", f"dtypes {','.join(s.dtypes)}"]
+    if short:
+        return f"hdim {','.join(map(str, s.head_dims))}, {','.join(s.dtypes)}"
+    parts = [f"head dims {', '.join(map(str, s.head_dims))}", f"dtypes {', '.join(s.dtypes)}"]
     if s.disabled:
-        parts.append(f"without {','.join(s.disabled)}")
-    return f"{s.family}: " + "; ".join(parts)
+        parts.append(f"compiled without {', '.join(s.disabled)}")
+    return f"for {s.family}: " + "; ".join(parts)
 
 
 def render_plan(plan: BuildPlan, kernel_status: dict[str, tuple[str, str]] | None = None) -> str:
@@ -41,10 +43,14 @@ def render_plan(plan: BuildPlan, kernel_status: dict[str, tuple[str, str]] | Non
     for k in plan.kernels:
         state, cost = (kernel_status or {}).get(k.key, ("-", "-"))
         rows.append([k.name, k.version, k.kind, k.key[:16], ",".join(k.archs) or "-", state, cost,
-                     specialisation_text(k), ", ".join(k.replaces)])
+                     specialisation_text(k, short=True), ", ".join(k.replaces)])
     out.append(render_table(rows, ["KERNEL", "VERSION", "KIND", "KEY", "ARCHS", "CACHE", "COMPILE COST",
-                                   "SPECIALISATION", "REPLACES"], wrap={6: 34, 7: 40}))
+                                   "SPECIALISED", "REPLACES"], wrap={6: 40}))
     out.append("")
+    for k in plan.kernels:
+        if k.compiled:
+            sources = f"; {k.estimate.sources} sources to compile" if k.estimate else ""
+            out.append(f"specialise {k.name}: {specialisation_text(k)}{sources}")
     for k in plan.kernels:
         if k.build_env:
             out.append(f"build env  {k.name}: " + " ".join(f"{e}={v}" for e, v in sorted(k.build_env.items())))

@@ -44,11 +44,16 @@ BUILDER_LABEL = "io.ftimage.builder.closure"
 
 def parallel_jobs(memory_per_job_gb: float, *, cores: int | None = None) -> int:
     """MAX_JOBS from the memory and cores this host has: nvcc jobs run out of memory long
-    before they run out of cores (flash-attention #945, #1038, #1811)."""
+    before they run out of cores (flash-attention #945, #1038, #1811). FTIMAGE_MEMORY_GB
+    overrides the reading, for machines whose memory grows on demand (VMs that start small)."""
+    override = os.environ.get("FTIMAGE_MEMORY_GB", "")
     try:
-        with open("/proc/meminfo") as fh:
-            info = {line.split(":")[0]: int(line.split()[1]) for line in fh}
-        available_gb = info.get("MemAvailable", info.get("MemTotal", 0)) / 2 ** 20
+        if override:
+            available_gb = float(override)
+        else:
+            with open("/proc/meminfo") as fh:
+                info = {line.split(":")[0]: int(line.split()[1]) for line in fh}
+            available_gb = info.get("MemAvailable", info.get("MemTotal", 0)) / 2 ** 20
     except (OSError, ValueError, IndexError):
         available_gb = 8.0
     by_memory = int(available_gb * 0.8 // memory_per_job_gb)

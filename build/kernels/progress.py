@@ -26,7 +26,7 @@ class CompileProgress:
             what = sources[-1] if sources else "linked"
             self.sources_done = int(done)
             self.progress.update(int(done), f"compiled {what}", total=int(total), force=True)
-        elif line.startswith("ftimage: "):
+        elif line.startswith("ftimage: ") and not line.startswith("ftimage: compiled in"):
             self.progress.update(None, line.removeprefix("ftimage: ")[:160], force=True)
 
     def finish(self, msg: str) -> float:

@@ -54,16 +54,77 @@ def unpack(sdist: Path, dest: Path) -> Path:
     return dest / tops.pop()
 
 
+_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+def apply_unified_diff(src: Path, diff: str, name: str) -> None:
+    """Apply a `git diff`-style patch (-p1) exactly: every hunk's context must match, at its line
+    or nearby (line numbers shift when an earlier patch touched the same file). No fuzz, so a
+    patch that does not fit this sdist fails loudly instead of landing somewhere else. In
+    Python, so a host without the `patch` program builds exactly like the builder image."""
+    files: list[tuple[str, list[list[str]]]] = []
+    lines_in = diff.splitlines()
+    i = 0
+    while i < len(lines_in):
+        line = lines_in[i]
+        i += 1
+        if line.startswith("+++ "):
+            target = line[4:].split("\t")[0].strip()
+            files.append((target[2:] if target.startswith("b/") else target, []))
+            continue
+        match = _HUNK.match(line)
+        if not match or not files:
+            continue  # diff --git / index / --- lines between files
+        # a hunk holds exactly its old and new line counts; read no more, so the next file's
+        # "--- a/..." header is never taken for a removed line
+        old_left = int(match.group(2) or 1)
+        new_left = int(match.group(4) or 1)
+        hunk = [line]
+        while (old_left or new_left) and i < len(lines_in):
+            body = lines_in[i]
+            i += 1
+            if body.startswith("\\"):
+                continue  # "\ No newline at end of file"
+            hunk.append(body)
+            if body.startswith("-"):
+                old_left -= 1
+            elif body.startswith("+"):
+                new_left -= 1
+            else:
+                old_left -= 1
+                new_left -= 1
+        files[-1][1].append(hunk)
+    for rel, hunks in files:
+        path = (src / rel).resolve()
+        if not path.is_relative_to(src.resolve()) or not path.is_file():
+            raise SystemExit(f"ftimage: patch {name} names {rel!r}, which this sdist does not have")
+        lines = path.read_text().split("\n")
+        shift = 0
+        for hunk in hunks:
+            start = int(_HUNK.match(hunk[0]).group(1)) - 1
+            body = [h for h in hunk[1:] if not h.startswith("\\")]
+            old = [h[1:] if h else "" for h in body if not h.startswith("+")]
+            new = [h[1:] if h else "" for h in body if not h.startswith("-")]
+            at = _find(lines, old, start + shift)
+            if at is None:
+                raise SystemExit(f"ftimage: patch {name} does not apply to {rel} (hunk {hunk[0]})")
+            lines[at:at + len(old)] = new
+            shift = at - start + len(new) - len(old)
+        path.write_text("\n".join(lines))
+
+
+def _find(lines: list[str], block: list[str], near: int) -> int | None:
+    for distance in range(0, len(lines) + 1):
+        for at in (near - distance, near + distance):
+            if 0 <= at <= len(lines) - len(block) and lines[at:at + len(block)] == block:
+                return at
+    return None
+
+
 def apply_patches(src: Path, patches: Path) -> None:
     for patch in sorted(patches.glob("*.patch")):
         say(f"applying {patch.name}")
-        with patch.open("rb") as fh:
-            proc = subprocess.run(["patch", "-p1", "--forward", "--batch"], cwd=src, stdin=fh,
-                                  capture_output=True, text=True)
-        sys.stdout.write(proc.stdout)
-        if proc.returncode != 0:
-            sys.stdout.write(proc.stderr)
-            raise SystemExit(f"ftimage: patch {patch.name} does not apply to this sdist (exit {proc.returncode})")
+        apply_unified_diff(src, patch.read_text(), patch.name)
 
 
 def build_wheel(src: Path, out: Path, env: dict[str, str]) -> Path:
@@ -87,6 +148,28 @@ def build_wheel(src: Path, out: Path, env: dict[str, str]) -> Path:
         raise SystemExit(f"ftimage: the build produced {len(wheels)} wheels, expected 1")
     say(f"compiled in {time.monotonic() - started:.0f}s")
     return wheels[0]
+
+
+def cuda_home(env: dict[str, str]) -> str | None:
+    """CUDA_HOME, found the way a toolkit is laid out: torch guesses it from `which nvcc`, which
+    is wrong when nvcc is a symlink in /usr/local/bin (it then looks for headers under
+    /usr/local/include). Follow the link to the toolkit's own bin/ instead."""
+    if env.get("CUDA_HOME"):
+        return env["CUDA_HOME"]
+    nvcc = shutil.which("nvcc", path=env.get("PATH"))
+    candidates = [Path(os.path.realpath(nvcc)).parent.parent] if nvcc else []
+    if nvcc and os.path.getsize(nvcc) < 4096:  # a wrapper script: `exec /usr/local/cuda-13.0/bin/nvcc "$@"`
+        try:
+            target = re.search(r"exec\s+(\S+)/bin/nvcc\b", Path(nvcc).read_text(errors="replace"))
+        except OSError:
+            target = None
+        if target:
+            candidates.insert(0, Path(target.group(1)))
+    candidates.append(Path("/usr/local/cuda"))
+    for home in candidates:
+        if (home / "bin" / "nvcc").is_file() and (home / "include" / "cuda_runtime_api.h").is_file():
+            return str(home)
+    return None
 
 
 def observe() -> dict[str, str]:
@@ -147,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.ccache and shutil.which("ccache"):
         env.update({"CCACHE_DIR": str(args.ccache), "CCACHE_MAXSIZE": "5G",
                     "PYTORCH_NVCC": f"ccache {os.path.join(env.get('CUDA_HOME', '/usr/local/cuda'), 'bin', 'nvcc')}"})
+    home = cuda_home(env)
+    if home:
+        env["CUDA_HOME"] = home
+        env["PATH"] = os.pathsep.join([os.path.join(home, "bin"), env.get("PATH", "")])
     args.out.mkdir(parents=True, exist_ok=True)
     src = unpack(args.sdist, args.work / "src")
     apply_patches(src, args.patches)

@@ -219,7 +219,7 @@ def _duplicates(values: tuple[str, ...], field: str, file: str, problems: Proble
 def finetune_defaults(spec: ImageSpec, file: str, problems: Problems) -> dict[str, Any]:
     """The image's finetune defaults (config_file < defaults), each layer validated with the
     finetune schema and its problems reported against the file they are in."""
-    from build.spec.parse import display_path, read_document
+    from build.spec.files import display_path, read_document
     from contracts.finetune_config import ConfigError, build_config, merge
 
     layers: list[tuple[str, str, dict]] = []

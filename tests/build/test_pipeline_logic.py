@@ -1,0 +1,127 @@
+"""Cache-hit and rebuild logic of the pipeline and the kernel stage, against a fake engine (no
+dockerd): the real engine is covered by the engine tier."""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+
+import pytest
+
+import build.kernels as kernel_stage
+from build import pipeline
+from build.bootstrap import SPEC_LABEL, base_tag
+from build.cache import CacheLayout
+from build.engine import RunResult
+from build.kernels.store import KernelStore
+from build.resolve import digest, load_plan
+from build.spec import REPO_ROOT
+from build.wheelhouse import Resolution, Wheel
+from contracts.events import EventLog
+from tests.fakes.engine import FakeEngine
+
+pytestmark = pytest.mark.unit
+QUIET = EventLog(quiet=True)
+
+
+def passing_checks(image, command, **kwargs) -> RunResult:
+    rows = [{"subject": "image", "check": "lock", "status": "PASS", "detail": "", "fix": ""}]
+    return RunResult(0, "FTIMAGE-CHECK " + json.dumps(rows))
+
+
+def engine_with_bases(plan) -> FakeEngine:
+    engine = FakeEngine(on_run=passing_checks)
+    for ref in (plan.spec.builder_base, plan.spec.runtime_base):
+        base = ref.bootstrap
+        engine.images[base_tag(base)] = {"Id": "sha256:" + "b" * 64, "Size": 1, "RepoTags": [base_tag(base)],
+                                         "Config": {"Labels": {SPEC_LABEL: digest(base.spec_dict())}}}
+    return engine
+
+
+@pytest.fixture
+def smoke(tmp_path, monkeypatch):
+    """The smoke plan, a cache holding stand-in wheels, and a wheelhouse stage that returns them."""
+    plan = load_plan(REPO_ROOT / "images" / "smoke")
+    cache = CacheLayout(tmp_path / "cache")
+    wheels = []
+    for name in ("torch", "transformers"):
+        filename = f"{name}-1.0-py3-none-any.whl"
+        sha = hashlib.sha256(name.encode()).hexdigest()
+        path = cache.wheel_path(sha, filename)
+        path.parent.mkdir(parents=True)
+        path.write_bytes(name.encode())
+        wheels.append(Wheel(name=name, version="1.0", filename=filename, sha256=sha))
+    monkeypatch.setattr(pipeline, "fill_wheelhouse",
+                        lambda plan, cache, log: Resolution(key="r", wheels=tuple(wheels), cache_hit=True))
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    return plan, cache, tmp_path / "out"
+
+
+def test_second_build_of_the_same_context_is_an_image_cache_hit(smoke):
+    plan, cache, out = smoke
+    engine = engine_with_bases(plan)
+    first = pipeline.build_image(plan, cache=cache, out_dir=out, log=QUIET, engine=engine)
+    assert first.cache["image"] == "miss" and engine.count("build") == 1
+    second = pipeline.build_image(plan, cache=cache, out_dir=out, log=QUIET, engine=engine)
+    assert second.cache["image"] == "hit" and engine.count("build") == 1
+    assert second.image_id == first.image_id and second.cache["base:runtime"] == "hit"
+    labels = engine.images[plan.tag]["Config"]["Labels"]
+    assert labels["io.ftimage.plan-key"] == plan.plan_key and labels[pipeline.LOCK_LABEL] == first.lock_sha256
+    assert (out / "build-report.json").is_file() and (out / "context" / "Dockerfile").is_file()
+
+
+def test_a_changed_context_rebuilds_and_prunes_the_superseded_image(smoke, monkeypatch):
+    plan, cache, out = smoke
+    engine = engine_with_bases(plan)
+    pipeline.build_image(plan, cache=cache, out_dir=out, log=QUIET, engine=engine)
+    old_id = engine.images[plan.tag]["Id"]
+    engine.images["smoke:000000000000"] = {**engine.images[plan.tag], "RepoTags": ["smoke:000000000000"]}
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1800000000")   # new labels -> a new context
+    report = pipeline.build_image(plan, cache=cache, out_dir=out, log=QUIET, engine=engine)
+    assert report.cache["image"] == "miss" and engine.count("build") == 2
+    assert engine.images[plan.tag]["Id"] != old_id
+    assert "smoke:000000000000" in report.pruned and "smoke:000000000000" not in engine.images
+
+
+def fake_compile(calls):
+    def compile_kernel(kernel, plan, *, cache, engine, log, builder_base, store):
+        calls.append(kernel.name)
+        staging = store.staging(kernel.key)
+        wheel = staging / "causal_conv1d-1.7.0-cp311-cp311-linux_x86_64.whl"
+        wheel.write_bytes(f"wheel {time.monotonic()}".encode())
+        meta = {"kernel": kernel.name, "version": kernel.version, "wheel": wheel.name,
+                "sha256": hashlib.sha256(wheel.read_bytes()).hexdigest(), "inputs": kernel.key_inputs,
+                "archs": {"sass": list(kernel.archs), "ptx": []}, "duration_s": 1.0, "created": 1}
+        return store.publish(kernel.key, staging, meta)
+    return compile_kernel
+
+
+def test_kernel_stage_compiles_once_then_hits(tmp_path, monkeypatch):
+    plan = load_plan(REPO_ROOT / "images" / "kernel-smoke")
+    cache = CacheLayout(tmp_path / "cache")
+    calls: list[str] = []
+    monkeypatch.setattr(kernel_stage, "compile_kernel", fake_compile(calls))
+    first = kernel_stage.provide_kernels(plan, cache=cache, engine=FakeEngine(), log=QUIET, builder_base="b")
+    assert sorted(calls) == ["causal-conv1d", "flash-attn"]
+    assert all(state.startswith("miss") for state in first.states.values())
+    second = kernel_stage.provide_kernels(plan, cache=cache, engine=FakeEngine(), log=QUIET, builder_base="b")
+    assert sorted(calls) == ["causal-conv1d", "flash-attn"]          # no compile on a hit
+    assert set(second.states.values()) == {"hit"}
+    assert [w.sha256 for w in second.wheels] == [w.sha256 for w in first.wheels]
+
+
+def test_a_corrupt_kernel_entry_is_named_in_the_plan_then_rebuilt(tmp_path, monkeypatch):
+    plan = load_plan(REPO_ROOT / "images" / "kernel-smoke")
+    cache = CacheLayout(tmp_path / "cache")
+    calls: list[str] = []
+    monkeypatch.setattr(kernel_stage, "compile_kernel", fake_compile(calls))
+    kernel_stage.provide_kernels(plan, cache=cache, engine=FakeEngine(), log=QUIET, builder_base="b")
+    conv = next(k for k in plan.kernels if k.name == "causal-conv1d")
+    entry = KernelStore(cache).get(conv.key)
+    entry.wheel.write_bytes(b"tampered")
+    state, _ = kernel_stage.expected_costs(plan, cache)[conv.key]
+    assert state.startswith("CORRUPT") and entry.meta["wheel"] in state   # named, not silently deleted
+    assert entry.wheel.exists()
+    again = kernel_stage.provide_kernels(plan, cache=cache, engine=FakeEngine(), log=QUIET, builder_base="b")
+    assert calls.count("causal-conv1d") == 2 and again.states["causal-conv1d"].startswith("miss")
+    assert KernelStore(cache).get(conv.key) is not None

@@ -1,0 +1,70 @@
+"""A fake container engine for unit tests of the pipeline and kernel-stage logic: it keeps
+images in a dict, records every call, and runs "containers" through a handler the test gives."""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from build.engine import BuiltImage, RunResult
+from contracts.events import EventLog
+
+
+@dataclass
+class FakeEngine:
+    images: dict[str, dict[str, Any]] = field(default_factory=dict)
+    calls: list[tuple[str, Any]] = field(default_factory=list)
+    on_run: Callable[..., RunResult] | None = None
+    removed_containers: int = 0
+
+    def image(self, ref: str) -> dict[str, Any] | None:
+        self.calls.append(("image", ref))
+        return self.images.get(ref)
+
+    def tag(self, image_id: str, ref: str) -> None:
+        self.calls.append(("tag", ref))
+        found = next(i for i in self.images.values() if i["Id"] == image_id)
+        self.images[ref] = found
+
+    def remove(self, ref: str) -> None:
+        self.calls.append(("remove", ref))
+        self.images.pop(ref, None)
+
+    def import_rootfs(self, tarball: Path, ref: str, changes: list[str]) -> str:
+        self.calls.append(("import", ref))
+        labels = dict(c.removeprefix("LABEL ").split("=", 1) for c in changes if c.startswith("LABEL "))
+        self.images[ref] = {"Id": "sha256:" + hashlib.sha256(ref.encode()).hexdigest(), "Size": 1,
+                            "Config": {"Labels": labels}, "RepoTags": [ref]}
+        return self.images[ref]["Id"]
+
+    def history(self, ref: str) -> list[dict[str, Any]]:
+        return []
+
+    def build(self, context: Path, tag: str, labels: dict[str, str], log: EventLog, *,
+              expected_steps_seconds: float | None = None) -> BuiltImage:
+        self.calls.append(("build", tag))
+        digest = hashlib.sha256((tag + repr(sorted(labels.items()))).encode()).hexdigest()
+        self.images[tag] = {"Id": f"sha256:{digest}", "Size": 1024, "Config": {"Labels": dict(labels)},
+                            "RepoTags": [tag], "Created": len(self.calls)}
+        return BuiltImage(id=f"sha256:{digest}", tag=tag, size_bytes=1024, step_seconds=())
+
+    def run(self, image: str, command: list[str] | None = None, **kwargs) -> RunResult:
+        self.calls.append(("run", image))
+        if self.on_run is None:
+            raise AssertionError(f"unexpected container run of {image}")
+        return self.on_run(image, command, **kwargs)
+
+    def remove_containers(self, label: str) -> int:
+        self.calls.append(("remove_containers", label))
+        return 0
+
+    def images_with_label(self, label: str) -> list[dict[str, Any]]:
+        key, _, value = label.partition("=")
+        found = {i["Id"]: i for i in self.images.values()
+                 if key in i["Config"]["Labels"] and (not value or i["Config"]["Labels"][key] == value)}
+        return list(found.values())
+
+    def count(self, kind: str) -> int:
+        return sum(1 for c in self.calls if c[0] == kind)
