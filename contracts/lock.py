@@ -55,6 +55,16 @@ class Specialisation:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RuntimeConstraint:
+    """A package version a kernel needs at run time, on some archs (e.g. fla's Triton on Hopper)."""
+
+    package: str                   # distribution, e.g. "triton"
+    version: str                   # PEP 440 specifier, e.g. ">=3.7.1"
+    archs: tuple[str, ...] = ()    # where it applies; empty = everywhere
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class LockedKernel:
     """One installed wheel of a fused-kernel package, with what it must provide at run time.
 
@@ -79,6 +89,7 @@ class LockedKernel:
     #                                      kernel-name patterns a profiler must see when it runs
     archs: tuple[str, ...] = ()          # SASS archs found in the wheel at build time, e.g. ("sm_90",)
     specialisation: Specialisation = field(default_factory=Specialisation)
+    runtime_constraints: tuple[RuntimeConstraint, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +149,7 @@ def _kernel(data: dict[str, Any]) -> LockedKernel:
     values = dict(data)
     values["specialisation"] = _build(Specialisation, values.get("specialisation") or {})
     values["profile_kernels"] = {k: tuple(v) for k, v in (values.get("profile_kernels") or {}).items()}
+    values["runtime_constraints"] = tuple(_build(RuntimeConstraint, c) for c in values.get("runtime_constraints") or ())
     return _build(LockedKernel, values)
 
 

@@ -40,6 +40,11 @@ class CheckResult:
     data: dict[str, Any] = field(default_factory=dict)  # measured numbers, for --json consumers
 
     def __post_init__(self):
+        for name in ("check", "detail", "fix"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{self.check}: {name} must be text, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.data, dict):
+            raise TypeError(f"{self.check}: data must be a dict")
         if self.status in (Status.WARN, Status.FAIL) and not self.fix:
             raise ValueError(f"{self.check}: a {self.status.name} row needs a fix")
 

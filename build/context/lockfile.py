@@ -23,7 +23,7 @@ def locked_kernels(plan: BuildPlan, kernel_wheels: tuple[KernelWheel, ...]) -> t
                 import_name=k.import_name, key=k.key, wheel=kw.filename, sha256=kw.sha256,
                 extension_module=k.extension_module, entry_points=k.entry_points, replaces=k.replaces,
                 python_api=dict(k.python_api), profile_kernels=dict(k.profile_kernels), archs=kw.archs,
-                specialisation=k.specialisation))
+                specialisation=k.specialisation, runtime_constraints=k.runtime_constraints))
     return tuple(out)
 
 

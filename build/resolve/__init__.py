@@ -32,7 +32,7 @@ from build.spec import (
     load_image_spec,
     load_manifest,
 )
-from contracts.lock import Specialisation
+from contracts.lock import RuntimeConstraint, Specialisation
 from contracts.schema import Problems
 from families import Family, FamilyError, UnknownFamily, load_family
 
@@ -111,6 +111,8 @@ def resolve(spec: ImageSpec, manifest: Manifest, problems: Problems | None = Non
             kernels.append(kernel)
     specialised = {k.name: specialise(k, spec, family, problems, spec_file) for k in kernels}
     requirements = _merge_requirements(problems, spec_file, spec, kernels)
+    if not host:
+        checks.runtime_constraints(problems, spec_file, spec, kernels, requirements)
     problems.raise_if_any(SpecErrors)
     kernel_plans = [_plan_kernel(k, spec, toolchain, torch_wheel, *specialised[k.name]) for k in kernels]
 
@@ -176,7 +178,10 @@ def _plan_kernel(kernel: Kernel, spec: ImageSpec, toolchain: Toolchain, torch_wh
                                        "backward": kernel.profile_kernels.backward},
                       runtime_requires=kernel.runtime_requires, build_requires=kernel.build_requires,
                       memory_per_job_gb=kernel.memory_per_job_gb, specialisation=specialisation,
-                      estimate=estimate(kernel, specialisation, len(archs)))
+                      estimate=estimate(kernel, specialisation, len(archs)),
+                      runtime_constraints=tuple(RuntimeConstraint(package=c.package, version=c.version,
+                                                                  archs=c.archs, reason=c.reason)
+                                                for c in kernel.runtime_constraints))
 
 
 def _merge_requirements(problems: Problems, spec_file: str, spec: ImageSpec,

@@ -59,6 +59,26 @@ def archs(problems: Problems, spec_file: str, spec: ImageSpec, tc: Toolchain) ->
                          "drop the arch, or pick a toolchain whose CUDA can target it", "arch-cuda")
 
 
+def runtime_constraints(problems: Problems, spec_file: str, spec: ImageSpec, kernels: list[Kernel],
+                        requirements: tuple[str, ...]) -> None:
+    """The image's pins must satisfy what each kernel needs at run time on the image's archs."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for req in requirements:
+        parsed = Requirement(req)
+        pins[canonicalize_name(parsed.name)] = next(iter(parsed.specifier)).version
+    for k in kernels:
+        for c in k.runtime_constraints:
+            archs = [a for a in spec.target_archs if not c.archs or a in c.archs]
+            have = pins.get(canonicalize_name(c.package))
+            if archs and have and not SpecifierSet(c.version).contains(have, prereleases=True):
+                problems.add(spec_file, "python.requirements", f"the image pins {c.package} {have}, but {k.name} "
+                             f"needs {c.package}{c.version} on {', '.join(archs)}: {c.reason}",
+                             f"pin {c.package}{c.version} (or a toolchain whose torch brings it)", "kernel-runtime")
+
+
 def kernel(problems: Problems, spec_file: str, where: str, k: Kernel, spec: ImageSpec, tc: Toolchain) -> None:
     c = k.constraints
     if tc.is_cpu:

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from build.spec import ImageSpec, PinnedFile, SourcePatch, Toolchain
-from contracts.lock import Specialisation
+from contracts.lock import RuntimeConstraint, Specialisation
 
 PLAN_SCHEMA = 2
 
@@ -59,6 +59,7 @@ class KernelPlan:
     memory_per_job_gb: float
     specialisation: Specialisation = field(default_factory=Specialisation)
     estimate: CompileEstimate | None = None
+    runtime_constraints: tuple[RuntimeConstraint, ...] = ()
 
     @property
     def compiled(self) -> bool:
@@ -82,6 +83,7 @@ class KernelPlan:
             "profile_kernels": {k: list(v) for k, v in sorted(self.profile_kernels.items())},
             "runtime_requires": list(self.runtime_requires), "build_requires": list(self.build_requires),
             "specialisation": asdict(self.specialisation),
+            "runtime_constraints": [asdict(c) for c in self.runtime_constraints],
             "estimate": asdict(self.estimate) if self.estimate else None,
         }
 

@@ -181,6 +181,16 @@ class Specialise:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RuntimeConstraintSpec:
+    """A package version the kernel needs at run time, on some archs (checked at build time
+    against the image's pins, and by verify against what is installed)."""
+    package: str = field(metadata=rule(pattern=r"[a-z0-9][a-z0-9._-]*"))
+    version: str
+    archs: tuple[str, ...] = field(default=(), metadata=rule(each=_arch))
+    reason: str = field(metadata=rule(fix="say why, with the upstream issue"))
+
+
+@dataclass(frozen=True, kw_only=True)
 class CompileCost:
     """Measured compile cost on this project's 2-core machine, per target arch (for --plan)."""
     sources: int = field(metadata=rule(ge=1, le=10000))
@@ -212,6 +222,7 @@ class Kernel:
         "give the peak memory of one compile job in GB, e.g. 4")))
     specialise: Specialise | None = None
     compile_cost: CompileCost | None = None
+    runtime_constraints: tuple[RuntimeConstraintSpec, ...] = ()
     name: str = field(init=False, default="")     # its key in `kernels:`
 
     @property

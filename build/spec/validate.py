@@ -132,6 +132,8 @@ def _kernel(k: Kernel, where: str, file: str, problems: Problems, repo_root: Pat
         value = getattr(k.constraints, key)
         if value:
             specifier(value, f"{where}.constraints.{key}", file, problems)
+    for i, c in enumerate(k.runtime_constraints):
+        specifier(c.version, f"{where}.runtime_constraints[{i}].version", file, problems)
     for section in ("runtime_requires", "build_requires"):
         for i, req in enumerate(getattr(k, section)):
             pinned_requirement(req, f"{where}.{section}[{i}]", file, problems)

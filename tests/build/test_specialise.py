@@ -123,3 +123,12 @@ def test_the_lock_records_what_was_compiled(ws):
                         sha256="b" * 64, path=Path("/x"), archs=("sm_90", "sm_100"))
     locked = make_lock(plan, (), (wheel,), {}).kernels[0]
     assert locked.specialisation == fa.specialisation and locked.profile_kernels["backward"] == ("flash_bwd",)
+
+
+def test_an_image_pinning_a_triton_its_kernels_cannot_use_is_exit_2(ws, run_cli):
+    manifest = ws.load_manifest()
+    manifest["kernels"]["flash-linear-attention"]["runtime_requires"] = ["einops==0.8.2", "triton==3.6.0"]
+    ws.save_manifest(manifest)
+    code, _, err = run_cli(ws.plan("qwen27b"))
+    assert code == 2
+    assert "python.requirements: the image pins triton 3.6.0, but flash-linear-attention needs triton>=3.7.1" in err

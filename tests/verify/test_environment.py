@@ -121,3 +121,21 @@ def test_package_rows_are_summarized_but_mismatches_stay_visible():
     assert [r.check for r in rows] == ["environment.package.b", "environment.packages"]
     assert rows[0].status is Status.FAIL
     assert "1 locked package(s)" in rows[1].detail and "1 over 16 MiB" in rows[1].detail
+
+
+def test_a_kernels_runtime_constraint_fails_on_its_arch_only():
+    """fla refuses its gated backward on Hopper with Triton < 3.7.1 (seen on an H200 with triton
+    3.6.0): verify says so up front instead of a crash in the middle of a step."""
+    from contracts.lock import RuntimeConstraint
+
+    kernel = LockedKernel(name="flash-linear-attention", distribution="fla-core", version="0.6.0", kind="triton",
+                          import_name="fla", key="k", wheel="fla_core-0.6.0-py3-none-any.whl", sha256="a" * 64,
+                          runtime_constraints=(RuntimeConstraint(package="triton", version=">=3.7.1",
+                                                                 archs=("sm_90",), reason="fla #640"),))
+    (row,) = env.decide_runtime_constraints([kernel], "sm_90", {"triton": "3.6.0"})
+    assert row.status is Status.FAIL and "triton 3.6.0 is installed" in row.detail and "fla #640" in row.detail
+    assert env.decide_runtime_constraints([kernel], "sm_100", {"triton": "3.6.0"}) == []
+    (ok,) = env.decide_runtime_constraints([kernel], "sm_90", {"triton": "3.8.0"})
+    assert ok.status is Status.PASS
+    (missing,) = env.decide_runtime_constraints([kernel], "sm_90", {"triton": None})
+    assert missing.status is Status.FAIL and "not installed" in missing.detail

@@ -111,6 +111,11 @@ def decide_installed(what: str, name: str, want_version: str, have_version: str 
     return CheckResult(row, Status.PASS, f"{have_version}; {note}{extra}", data={"hashed": hashed, "skipped": skipped})
 
 
+def _version(name: str) -> str | None:
+    dist = _dist(name)
+    return dist.version if dist else None
+
+
 def _dist(name: str):
     try:
         return importlib.metadata.distribution(name)
@@ -154,6 +159,35 @@ def summarize_packages(rows: list[CheckResult]) -> list[CheckResult]:
                           f"{len(good)} locked package(s) installed at the locked version; {hashed} file(s) match "
                           f"their wheels' RECORD{note}", data={"packages": names, "hashed": hashed, "skipped": skipped})
     return bad + [summary]
+
+
+def decide_runtime_constraints(kernels: list[LockedKernel], arch: str | None,
+                               installed: dict[str, str | None]) -> list[CheckResult]:
+    """What a kernel needs installed to run on this arch (the lock carries it from the manifest),
+    e.g. fla's Triton >= 3.7.1 on Hopper: older Triton gives wrong gradients there, and fla
+    refuses its backward mid-step instead."""
+    from packaging.specifiers import SpecifierSet
+
+    rows = []
+    for kernel in kernels:
+        for c in kernel.runtime_constraints:
+            if c.archs and arch not in c.archs:
+                continue
+            have = installed.get(c.package)
+            row = f"environment.runtime.{kernel.distribution}.{c.package}"
+            where = f" on {arch}" if c.archs else ""
+            if have is None:
+                rows.append(CheckResult(row, Status.FAIL, f"{kernel.distribution} needs {c.package}{c.version}{where}, "
+                                        f"which is not installed ({c.reason})", REBUILD))
+            elif not SpecifierSet(c.version).contains(have, prereleases=True):
+                rows.append(CheckResult(row, Status.FAIL, f"{c.package} {have} is installed; {kernel.distribution} "
+                                        f"needs {c.package}{c.version}{where}: {c.reason}",
+                                        f"install {c.package}{c.version} (the image's toolchain brings it); "
+                                        "do not train here until then"))
+            else:
+                rows.append(CheckResult(row, Status.PASS, f"{c.package} {have} satisfies {c.version}{where} "
+                                        f"for {kernel.distribution}"))
+    return rows
 
 
 def decide_triton_runtime(needed: bool, compiler: str | None, python_h: Path, cache_dir: Path,
@@ -231,8 +265,11 @@ def run(ctx: Context) -> list[CheckResult]:
         rows.append(CheckResult("environment.lock", Status.FAIL, "no lock to compare the installation with",
                                 "see the lock row"))
         return rows
+    arch = None
     if count:
-        rows.append(decide_arch(torch.cuda.get_device_capability(0), lock.target_archs))
+        capability = torch.cuda.get_device_capability(0)
+        arch = f"sm_{capability[0]}{capability[1]}"
+        rows.append(decide_arch(capability, lock.target_archs))
         rows.append(decide_driver(driver_version(), lock.cuda))
     else:
         rows.append(CheckResult("environment.arch", Status.FAIL, "no CUDA device to compare with the lock's "
@@ -243,6 +280,8 @@ def run(ctx: Context) -> list[CheckResult]:
     rows.extend(decide_versions(lock, python, torch.__version__, torch.version.cuda, transformers.__version__))
     rows.extend(check_installed(list(lock.kernels), ctx.deep))
     rows.extend(summarize_packages(check_installed(list(lock.packages), ctx.deep)))
+    wanted = {c.package for k in lock.kernels for c in k.runtime_constraints}
+    rows.extend(decide_runtime_constraints(list(lock.kernels), arch, {p: _version(p) for p in wanted}))
     needed = any(k.kind == "triton" for k in lock.kernels)
     cache = triton_cache_dir()
     rows.append(decide_triton_runtime(needed, find_compiler(), Path(sysconfig.get_paths()["include"]) / "Python.h",

@@ -44,8 +44,10 @@ def compare_verdict(op: str, errors: dict[str, float], tol: OpTolerance = OP_TOL
     if bad:
         return CheckResult(row, Status.FAIL, f"fused vs torch reference differs: {shown} (tolerance out "
                            f"{tol.output}, grads {tol.grads}, relative)",
-                           "a miscompiled or buggy kernel: rebuild it for this arch, or pin a fixed version", errors)
-    return CheckResult(row, Status.PASS, f"forward and backward match the fp32 torch reference: {shown}", errors)
+                           "a miscompiled or buggy kernel: rebuild it for this arch, or pin a fixed version",
+                           data=errors)
+    return CheckResult(row, Status.PASS, f"forward and backward match the fp32 torch reference: {shown}",
+                       data=errors)
 
 
 def profile_probe_step(ctx: Context, module, resolutions) -> tuple:
@@ -139,7 +141,8 @@ def run_on_device(ctx: Context) -> list[CheckResult]:
         step, model = profile_probe_step(ctx, module, resolutions)
     except Exception as exc:  # noqa: BLE001 - a step that cannot run is the finding
         rows.append(CheckResult("fused_ops.step", Status.FAIL, f"probe model step failed: {type(exc).__name__}: "
-                                f"{exc}", "see the dispatch rows; rebuild the image"))
+                                f"{str(exc).splitlines()[0][:300]}",
+                                "see the environment.runtime and dispatch rows; rebuild the image"))
         return rows
     for need in needs:
         rows.append(kernel_verdict(need.function, step.kernels, need.forward_kernels, need.backward_kernels,

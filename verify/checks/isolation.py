@@ -147,7 +147,16 @@ def run(ctx: Context) -> list[CheckResult]:
         model = build_probe_model(ctx, attn_implementation="sdpa", dtype=dtype)
     hooks(family).prepare_probe_model(model)
     conv = next(f for f in family.fused_functions if f.boundary_kwarg == "seq_idx")
-    m = measure(model, module, family, device=ctx.device, conv_wrapper=conv.wrapper)
+    try:
+        m = measure(model, module, family, device=ctx.device, conv_wrapper=conv.wrapper)
+    except RuntimeError as exc:
+        # a kernel that refuses or fails mid-probe (e.g. fla's backward on Hopper with an old Triton,
+        # or a CUDA-only kernel asked to run on CPU) is a finding about this machine, not a verify bug
+        reason = str(exc).splitlines()[0][:300]
+        fix = ("run on a CUDA device: the installed fused kernels run only there" if "cuda" in reason.lower()
+               and not ctx.device.startswith("cuda") else "see the environment.runtime and fused_ops rows")
+        return [CheckResult("isolation", Status.FAIL, f"the probe could not run: the fused path raised "
+                            f"{type(exc).__name__}: {reason}", fix)]
     tol = TOLERANCES[str(dtype).removeprefix("torch.")]
     resolution = read_resolution(module, conv.wrapper)
     rows = judge(m, tol, conv_note=conv_plumbing_note(m.conv_kwargs_seen, resolution.applicable_params))
