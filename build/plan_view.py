@@ -9,9 +9,10 @@ def specialisation_text(kernel, *, short: bool = False) -> str:
     s = kernel.specialisation
     if s.generic:
         return "generic" if kernel.compiled else "-"
+    dims = [f"head dims {', '.join(map(str, s.head_dims))}"] if s.head_dims else []
     if short:
-        return f"hdim {','.join(map(str, s.head_dims))}, {','.join(s.dtypes)}"
-    parts = [f"head dims {', '.join(map(str, s.head_dims))}", f"dtypes {', '.join(s.dtypes)}"]
+        return ", ".join(([f"hdim {','.join(map(str, s.head_dims))}"] if s.head_dims else []) + [",".join(s.dtypes)])
+    parts = dims + [f"dtypes {', '.join(s.dtypes)}"]
     if s.disabled:
         parts.append(f"compiled without {', '.join(s.disabled)}")
     return f"for {s.family}: " + "; ".join(parts)

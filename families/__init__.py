@@ -76,7 +76,6 @@ def _head_dims(values: tuple[int, ...]):
 class Attention:
     implementation: Literal["flash_attention_2", "sdpa", "eager"]
     head_dims: tuple[int, ...] = field(metadata=rule(check=_head_dims))
-    dtypes: tuple[Literal["bf16", "fp16"], ...]
     causal: bool = True
     varlen: bool = True
     features: AttentionFeatures = field(default_factory=AttentionFeatures)
@@ -96,6 +95,8 @@ class Family:
     causal_lm_class: str = field(metadata=rule(pattern=r"[A-Za-z_][A-Za-z0-9_]*"))
     decoder_layers: str = field(metadata=rule(pattern=r"[A-Za-z_][A-Za-z0-9_.]*"))
     hooks: str = field(metadata=rule(pattern=r"families\.[a-z0-9_]+"))
+    dtypes: tuple[Literal["bf16", "fp16"], ...] = field(metadata=rule(
+        check=lambda v: None if v else ("no dtypes listed", "list what the family trains in, e.g. [bf16]")))
     layer_kinds: dict[str, LayerKind]
     attention: Attention
     flavours: dict[str, dict[str, Any]]

@@ -67,8 +67,13 @@ def runtime_constraints(problems: Problems, spec_file: str, spec: ImageSpec, ker
 
     pins = {}
     for req in requirements:
-        parsed = Requirement(req)
-        pins[canonicalize_name(parsed.name)] = next(iter(parsed.specifier)).version
+        try:
+            parsed = Requirement(req)
+        except Exception:  # noqa: BLE001 - an invalid requirement is already reported by the spec
+            continue
+        exact = [s.version for s in parsed.specifier if s.operator == "=="]
+        if len(exact) == 1:
+            pins[canonicalize_name(parsed.name)] = exact[0]
     for k in kernels:
         for c in k.runtime_constraints:
             archs = [a for a in spec.target_archs if not c.archs or a in c.archs]

@@ -170,14 +170,16 @@ class SpecialiseDisable:
 
 @dataclass(frozen=True, kw_only=True)
 class Specialise:
-    """How a kernel can be trimmed to one model family's attention (knobs our pinned patch adds)."""
-    head_dims: SpecialiseAxis
+    """How a kernel can be trimmed to one model family (knobs our pinned patches add). A kernel
+    declares the axes it has: flash-attn head dims, dtypes and features; causal-conv1d dtypes."""
     dtypes: SpecialiseAxis
-    disable: SpecialiseDisable
+    head_dims: SpecialiseAxis | None = None
+    disable: SpecialiseDisable | None = None
     separator: Literal[";", ","] = ";"
-    sources_per_combination: int = field(metadata=rule(ge=1, le=1000))   # .cu files per (head dim, dtype)
+    sources_per_combination: int = field(default=0, metadata=rule(ge=0, le=1000))  # sources per (head dim,
+    #                                dtype); 0: the source count does not change, only what each compiles
     extra_sources: int = field(default=0, metadata=rule(ge=0, le=1000))   # always compiled (flash_api.cpp)
-    serves: tuple[str, ...] = ()   # attention implementations a specialised build serves
+    serves: tuple[str, ...] = ()   # attention implementations a specialised build serves (empty: any)
 
 
 @dataclass(frozen=True, kw_only=True)

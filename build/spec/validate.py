@@ -154,7 +154,8 @@ def _kernel(k: Kernel, where: str, file: str, problems: Problems, repo_root: Pat
                          f"add {function} to replaces, or remove it here")
     if k.specialise is not None:
         for axis in ("head_dims", "dtypes"):
-            if not getattr(k.specialise, axis).supported:
+            knob = getattr(k.specialise, axis)
+            if knob is not None and not knob.supported:
                 problems.add(file, f"{where}.specialise.{axis}.supported", "empty", "list the supported values")
 
 

@@ -40,6 +40,7 @@ def test_plan_shows_the_specialisation_and_its_cost(ws, run_cli):
 
 def test_opting_out_builds_the_generic_kernel_with_its_cost_in_the_plan(ws, run_cli):
     before = kernel(load_plan(ws.image("qwen27b"), ws.manifest), "flash-attn")
+    before_fla = kernel(load_plan(ws.image("qwen27b"), ws.manifest), "flash-linear-attention").key
     data = ws.load("qwen27b")
     data["specialise_kernels"] = False
     ws.save("qwen27b", data)
@@ -50,9 +51,10 @@ def test_opting_out_builds_the_generic_kernel_with_its_cost_in_the_plan(ws, run_
     assert fa.estimate.cpu_seconds > 10 * before.estimate.cpu_seconds
     code, out, _ = run_cli(ws.plan("qwen27b"))
     assert "specialise flash-attn: generic; 73 sources to compile" in out
-    # a kernel with no knobs (causal-conv1d) keeps its key: only what can change, changes
-    assert kernel(plan, "causal-conv1d").key == kernel(load_plan(ws.image("qwen27b"), ws.manifest),
-                                                        "causal-conv1d").key
+    conv = kernel(plan, "causal-conv1d")
+    assert conv.specialisation.generic and "CAUSAL_CONV1D_DTYPES" not in conv.build_env
+    # a kernel with no knobs (the pure-Python fla) keeps its key: only what can change, changes
+    assert kernel(plan, "flash-linear-attention").key == before_fla
 
 
 def _family_copy(ws, monkeypatch, edit):
@@ -84,6 +86,12 @@ def family_edit(ws, monkeypatch):
     yield apply
     for gen in gens:
         next(gen, None)
+
+
+def test_causal_conv1d_is_trimmed_to_the_family_dtypes(ws):
+    conv = kernel(load_plan(ws.image("qwen27b"), ws.manifest), "causal-conv1d")
+    assert conv.specialisation.dtypes == ("bf16",) and conv.specialisation.head_dims == ()
+    assert conv.build_env["CAUSAL_CONV1D_DTYPES"] == "bf16" and conv.estimate.sources == 4
 
 
 def test_family_head_dim_the_kernel_cannot_build_is_exit_2(ws, run_cli, family_edit):

@@ -62,24 +62,31 @@ def model_facts(config: dict[str, Any] | None, family: Family) -> dict[str, Any]
             "sliding_window": window, "softcap": config.get(keys.get("softcap", "attn_logit_softcapping"))}
 
 
-def decide_fit(facts: dict[str, Any], spec: Specialisation, param_dtype: str, source: str) -> list[CheckResult]:
-    """Pure: one row per fact the specialisation constrains."""
+def decide_dtype(kernel: str, spec: Specialisation, param_dtype: str) -> CheckResult | None:
+    """Pure: the training dtype against what one specialised kernel compiled."""
+    if not spec.dtypes:
+        return None
+    ok = DTYPE_OF_PARAM.get(param_dtype, param_dtype) in spec.dtypes
+    return CheckResult(f"model_fit.dtype.{kernel}", Status.PASS if ok else Status.FAIL,
+                       f"training runs in {param_dtype}; the image's {kernel} has {', '.join(spec.dtypes)}",
+                       "" if ok else f"set parallel.param_dtype to "
+                       f"{'bfloat16' if 'bf16' in spec.dtypes else 'float16'}, or " + REBUILD_GENERIC)
+
+
+def decide_fit(facts: dict[str, Any], spec: Specialisation, param_dtype: str, source: str,
+               kernel: str = "flash-attn") -> list[CheckResult]:
+    """Pure: one row per fact the attention kernel's specialisation constrains."""
     rows = []
     where = f"({source})"
     head_dim = facts["head_dim"]
     if spec.head_dims:
         ok = head_dim in spec.head_dims
         rows.append(CheckResult("model_fit.head_dim", Status.PASS if ok else Status.FAIL,
-                                f"attention head dim {head_dim} {where}; the image's flash-attn has "
+                                f"attention head dim {head_dim} {where}; the image's {kernel} has "
                                 f"{', '.join(map(str, spec.head_dims))}", "" if ok else REBUILD_GENERIC))
-    dtype = DTYPE_OF_PARAM.get(param_dtype, param_dtype)
-    if spec.dtypes:
-        ok = dtype in spec.dtypes
-        rows.append(CheckResult("model_fit.dtype", Status.PASS if ok else Status.FAIL,
-                                f"training runs attention in {param_dtype}; the image's flash-attn has "
-                                f"{', '.join(spec.dtypes)}", "" if ok else
-                                f"set parallel.param_dtype to {'bfloat16' if 'bf16' in spec.dtypes else 'float16'}, "
-                                "or " + REBUILD_GENERIC))
+    dtype_row = decide_dtype(kernel, spec, param_dtype)
+    if dtype_row:
+        rows.append(dtype_row)
     problems = []
     if "dropout" in spec.disabled and float(facts["dropout"] or 0.0) > 0.0:
         problems.append(f"attention_dropout {facts['dropout']} (dropout was compiled out)")
@@ -96,12 +103,20 @@ def decide_fit(facts: dict[str, Any], spec: Specialisation, param_dtype: str, so
 
 
 def run(ctx: Context) -> list[CheckResult]:
-    kernel = ctx.attention_kernel
-    if kernel is None:
-        return [CheckResult("model_fit", Status.SKIP, "the image has no attention kernel to fit")]
-    spec = kernel.specialisation
-    if spec.generic:
-        return [CheckResult("model_fit", Status.PASS, f"{kernel.distribution} is the generic build: every head "
-                            "dim, dtype and feature it supports was compiled")]
-    source = ctx.model_source or f"family {ctx.family.name} defaults"
-    return decide_fit(model_facts(ctx.model_config, ctx.family), spec, ctx.param_dtype, source)
+    specialised = [k for k in (ctx.lock.kernels if ctx.lock else ()) if not k.specialisation.generic]
+    if not specialised:
+        return [CheckResult("model_fit", Status.SKIP if not (ctx.lock and ctx.lock.kernels) else Status.PASS,
+                            "no kernel in the image was specialised: every head dim, dtype and feature they "
+                            "support was compiled")]
+    attention = ctx.attention_kernel
+    rows = []
+    if attention is not None and not attention.specialisation.generic:
+        source = ctx.model_source or f"family {ctx.family.name} defaults"
+        rows += decide_fit(model_facts(ctx.model_config, ctx.family), attention.specialisation, ctx.param_dtype,
+                           source, kernel=attention.distribution)
+    for kernel in specialised:
+        if kernel is not attention:
+            row = decide_dtype(kernel.distribution, kernel.specialisation, ctx.param_dtype)
+            if row:
+                rows.append(row)
+    return rows
