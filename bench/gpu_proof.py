@@ -153,8 +153,21 @@ attempt("head_dim 256 fp16", 256, torch.float16)
 attempt("head_dim 256 bf16 dropout 0.1", 256, torch.bfloat16, dropout_p=0.1)
 attempt("head_dim 256 bf16 sliding window", 256, torch.bfloat16, window_size=(16, 0))
 attempt("head_dim 256 bf16 softcap", 256, torch.bfloat16, softcap=30.0)
-ok = (not out["compiled: head_dim 256 bf16"]["refused"]) and all(v["refused"] for k, v in out.items()
-                                                                 if not k.startswith("compiled"))
+from causal_conv1d import causal_conv1d_fn
+def conv(name, dtype):
+    x = torch.randn(1, 64, 97, device="cuda", dtype=dtype)
+    w = torch.randn(64, 4, device="cuda", dtype=dtype)
+    try:
+        causal_conv1d_fn(x, w, None, activation="silu")
+        torch.cuda.synchronize()
+        out[name] = {"refused": False}
+    except RuntimeError as exc:
+        out[name] = {"refused": True, "error": str(exc).splitlines()[0][:300]}
+conv("compiled: causal-conv1d bf16", torch.bfloat16)
+conv("causal-conv1d fp16", torch.float16)
+conv("causal-conv1d fp32", torch.float32)
+ok = all(not v["refused"] for k, v in out.items() if k.startswith("compiled")) and \
+    all(v["refused"] for k, v in out.items() if not k.startswith("compiled"))
 out["all_as_expected"] = ok
 json.dump(out, open(sys.argv[1], "w"), indent=2)
 print(json.dumps(out, indent=2))
@@ -234,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the interpreter whose torch the kernels are built for (default: python3)")
     p.add_argument("--skip", action="append", default=[], choices=("compile", "refusal", "verify", "bench"),
                    help="skip a phase (e.g. rerun only a late one in the same warm session)")
+    p.add_argument("--verify-checks", default="", help="only these verify checks (comma-separated)")
     args = p.parse_args(argv)
     if args.prepare:
         return prepare()
@@ -263,8 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         kit.skip("verify", "--skip verify")
     else:
         device = ["--device", "cpu"] if kit.rehearse else []
+        only = ["--checks", args.verify_checks] if args.verify_checks else []
         kit.run("verify", [kit.python, "-m", "verify", "--lock", str(lock), "--json-file",
-                           str(kit.results / "verify.json"), *device])
+                           str(kit.results / "verify.json"), *device, *only])
     if "bench" in args.skip:
         kit.skip("bench", "--skip bench")
     else:
