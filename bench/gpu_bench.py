@@ -64,8 +64,8 @@ def run_worker(args) -> dict:
         hide_fused_packages()
     import torch
 
+    from entrypoint.loss import loss_sum
     from entrypoint.metrics import device_peak_flops, flop_model
-    from entrypoint.trainer import loss_sum
     from families import DEFAULT_FAMILY, load_family
     from families.runtime import build_model
     from verify.kernel_profile import cuda_kernel_names

@@ -4,16 +4,19 @@ Layout under <output.dir>/checkpoints/:
   step-00000010/          a complete checkpoint (the ONLY name resume ever considers)
     .metadata, __*.distcp  model + optimizer (DCP, sharded, every rank writes its part)
     rng-rank<r>.pt         per-rank RNG state (torch, cuda, numpy, python)
-    trainer_state.json     step, scheduler, sampler, written LAST
+    trainer_state.json     step, scheduler, sampler, and the size of every file above, written LAST
   .tmp-step-00000012/     being written; never valid; removed at the next start
 
 Atomicity: all ranks write into the temp dir, every file is fsynced, then rank 0 renames
 the temp dir to its final name and fsyncs the parent. rename(2) is atomic on one
 filesystem, so a kill at any moment leaves either a complete step dir or a temp dir.
-Multi-node runs need output.dir on a shared filesystem (every rank writes its shard).
+A step dir damaged later (a truncated shard) fails its size manifest and is skipped by
+resume=auto, which takes the newest valid one. A full disk is one error naming the path
+and the space a checkpoint needs. Multi-node runs need output.dir on a shared filesystem.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -40,6 +44,43 @@ class CheckpointError(Exception):
     def __init__(self, message: str, fix: str):
         super().__init__(f"{message}\n  fix: {fix}")
         self.fix = fix
+
+
+class DiskFull(CheckpointError):
+    """No space left while writing a checkpoint or the export (reported once, by rank 0)."""
+
+
+def disk_full(path: Path, needed_bytes: int) -> DiskFull:
+    import shutil as _shutil
+
+    try:
+        free = _shutil.disk_usage(path if path.exists() else path.parent).free
+    except OSError:
+        free = 0
+    return DiskFull(f"no space left on the device while writing {path}: it needs about "
+                    f"{needed_bytes / 2 ** 30:.1f} GiB, {free / 2 ** 30:.1f} GiB are free",
+                    "free space on that volume, lower checkpoint.keep, or point output.dir at a larger volume")
+
+
+def files_manifest(path: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file() and p.name != TRAINER_STATE}
+
+
+def _state_bytes(*trees) -> int:
+    total = 0
+    for tree in trees:
+        stack = [tree]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                stack.extend(node.values())
+            elif isinstance(node, (list, tuple)):
+                stack.extend(node)
+            elif torch.is_tensor(node):
+                local = getattr(node, "to_local", None)
+                tensor = local() if local else node
+                total += tensor.numel() * tensor.element_size()
+    return total
 
 
 def step_dir_name(step: int) -> str:
@@ -123,11 +164,20 @@ class Checkpointer:
             tmp.mkdir()
         dist.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-        torch.save(rng_state(), tmp / f"rng-rank{self.rank}.pt")
+        try:
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+            torch.save(rng_state(), tmp / f"rng-rank{self.rank}.pt")
+        except (OSError, RuntimeError, CheckpointException) as exc:
+            # dcp wraps each rank's failure in CheckpointException (a BaseException) whose text
+            # carries the OSError; torch.save on a full disk can also surface as a RuntimeError
+            if "No space left" in str(exc) or getattr(exc, "errno", None) == errno.ENOSPC:
+                shutil.rmtree(tmp, ignore_errors=True)   # give the space back; resume never sees a partial step
+                raise disk_full(tmp, _state_bytes(model_sd, optim_sd) * self.world_size) from None
+            raise
         dist.barrier()
         if self.rank == 0:
-            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2))
+            state = {**trainer_state, "files": files_manifest(tmp)}
+            (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2))
             _fsync_tree(tmp)
             if final.exists():  # a re-run of the same step after resume: replace it whole
                 shutil.rmtree(final)
@@ -147,6 +197,18 @@ class Checkpointer:
             raise CheckpointError(f"{path} is not a complete checkpoint for {self.world_size} ranks",
                                   "set checkpoint.resume=auto (newest complete one), never, or a complete "
                                   "step-* directory written by the same world size")
+        try:
+            recorded = json.loads((path / TRAINER_STATE).read_text()).get("files", {})
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}/{TRAINER_STATE} is unreadable: {exc}", "resume from another checkpoint") \
+                from None
+        actual = files_manifest(path)
+        damaged = [f"{name} ({actual.get(name, 'missing')} bytes, recorded {size})"
+                   for name, size in recorded.items() if actual.get(name) != size]
+        if damaged:
+            raise CheckpointError(f"{path.name} is damaged: {', '.join(damaged[:3])}",
+                                  "resume=auto skips it and takes the newest valid checkpoint; delete it to reclaim "
+                                  "the space")
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
@@ -169,11 +231,17 @@ def export_hf(model, hf_config, tokenizer, out_dir: Path, *, dtype: torch.dtype,
     if getattr(hf_config, "tie_word_embeddings", False):
         full.pop("lm_head.weight", None)  # shared with the embedding; HF re-ties on load
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
-    save_torch_state_dict(state, str(tmp), max_shard_size="5GB")
-    hf_config.dtype = str(dtype).removeprefix("torch.")
-    hf_config.save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
-    _fsync_tree(tmp)
+    try:
+        save_torch_state_dict(state, str(tmp), max_shard_size="5GB")
+        hf_config.dtype = str(dtype).removeprefix("torch.")
+        hf_config.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        _fsync_tree(tmp)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno == errno.ENOSPC:
+            raise disk_full(out_dir, _state_bytes(state)) from None
+        raise
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.rename(tmp, out_dir)

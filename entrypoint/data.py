@@ -90,9 +90,12 @@ class Corpus:
         return {"n_docs": len(self), "n_tokens": int(self.offsets[-1]), "sha256": h.hexdigest()[:16]}
 
 
-def read_rows(path: str, fmt: str = "auto", max_rows: int = 0) -> Iterator[tuple[int, object]]:
-    """Yield (row_number, row). A JSONL line that does not parse yields its raw text, and
-    the validator counts it; one bad line must not stop the file."""
+def read_rows(path: str, fmt: str = "auto", max_rows: int = 0, max_row_bytes: int = 8 << 20,
+              progress=None) -> Iterator[tuple[int, object]]:
+    """Yield (row_number, row). A line that does not parse yields its raw text (or None when it
+    is not UTF-8, or a TooLarge marker when it is over max_row_bytes), and the validator counts
+    it: one bad line must not stop the file, and no line is ever held in memory whole beyond
+    the limit. `progress(done_bytes, total_bytes)` is called as the file is read."""
     p = Path(path)
     if not p.exists():
         raise DataError(f"data file {p} does not exist", "set data.path to a mounted .jsonl or .parquet file")
@@ -100,34 +103,65 @@ def read_rows(path: str, fmt: str = "auto", max_rows: int = 0) -> Iterator[tuple
         fmt = "parquet" if p.suffix == ".parquet" else "jsonl"
     count = 0
     if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            table = pq.ParquetFile(str(p))
-        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
-            raise DataError(f"cannot read parquet {p}: {exc}", "check the file, or set data.format=jsonl") from None
-        for batch in table.iter_batches(batch_size=4096):
-            for row in batch.to_pylist():
-                if max_rows and count >= max_rows:
-                    return
-                yield count, row
-                count += 1
+        yield from _parquet_rows(p, max_rows)
         return
-    with p.open("r", encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            if not line.strip():
-                continue
+    total = p.stat().st_size
+    with p.open("rb") as fh:
+        while True:
+            raw = fh.readline(max_row_bytes + 1)
+            if not raw:
+                return
+            if len(raw) > max_row_bytes and not raw.endswith(b"\n"):
+                while (more := fh.readline(1 << 20)) and not more.endswith(b"\n"):
+                    pass  # skip the rest of the line without keeping it
+                row: object = TooLarge(max_row_bytes)
+            else:
+                if not raw.strip():
+                    continue
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    row = None
+                else:
+                    try:
+                        row = json.loads(text)
+                    except (json.JSONDecodeError, RecursionError):
+                        row = text
             if max_rows and count >= max_rows:
                 return
-            try:
-                yield count, json.loads(line)
-            except json.JSONDecodeError:
-                yield count, line
+            yield count, row
+            count += 1
+            if progress is not None and count % 256 == 0:
+                progress(fh.tell(), total)
+
+
+@dataclass(frozen=True)
+class TooLarge:
+    limit: int
+
+
+def _parquet_rows(p: Path, max_rows: int) -> Iterator[tuple[int, object]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(str(p))
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+        raise DataError(f"cannot read parquet {p}: {exc}", "check the file, or set data.format=jsonl") from None
+    count = 0
+    for batch in table.iter_batches(batch_size=4096):
+        for row in batch.to_pylist():
+            if max_rows and count >= max_rows:
+                return
+            yield count, row
             count += 1
 
 
 def validate_row(row: object, messages_field: str) -> tuple[list[dict] | None, str]:
     """Return (messages, "") or (None, reason)."""
+    if isinstance(row, TooLarge):
+        return None, "row_too_large"
+    if row is None:
+        return None, "not_utf8"
     if not isinstance(row, dict):
         return None, "invalid_json" if isinstance(row, str) else "not_an_object"
     messages = row.get(messages_field)
@@ -145,6 +179,10 @@ def validate_row(row: object, messages_field: str) -> tuple[list[dict] | None, s
             return None, "unknown_role"
         if not m["content"].strip():
             return None, "empty_content"
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError:   # a lone surrogate ("\\ud800" in the JSON) cannot be tokenized
+            return None, "undecodable_text"
         clean.append({"role": m["role"], "content": m["content"]})
     if not any(m["role"] == "assistant" for m in clean):
         return None, "no_assistant_turn"
@@ -159,34 +197,8 @@ def end_of_turn_token(tokenizer, configured: str) -> str:
     return tokenizer.eos_token or ""
 
 
-def assistant_spans(text: str, messages: list[dict], eot: str) -> list[tuple[int, int]] | None:
-    """Character spans of each assistant reply (plus its end-of-turn token) in `text`.
-
-    Found by locating each message's content in order, not by rendering prefixes: real
-    Qwen templates render the last assistant turn differently from earlier ones (empty
-    <think> blocks), so prefix renders are not prefixes of the full render. Templates may
-    strip content, so the stripped content is searched. None when a message is missing
-    from the render (the template dropped or rewrote it).
-    """
-    spans = []
-    cursor = 0
-    for m in messages:
-        content = m["content"].strip()
-        start = text.find(content, cursor)
-        if start < 0:
-            return None
-        end = start + len(content)
-        if m["role"] == "assistant":
-            rest = len(text[end:]) - len(text[end:].lstrip())
-            if eot and text.startswith(eot, end + rest):
-                end = end + rest + len(eot)
-            spans.append((start, end))
-        cursor = end
-    return spans
-
-
-def label_tokens(offsets: np.ndarray, ids: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
-    """-100 except tokens that START inside an assistant span (vectorised)."""
+def label_tokens(offsets: np.ndarray, ids: np.ndarray, spans) -> np.ndarray:
+    """-100 except tokens whose first character lies inside an assistant span (chat_mask's rule)."""
     labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int32)
     if not spans:
         return labels
@@ -201,12 +213,15 @@ def label_tokens(offsets: np.ndarray, ids: np.ndarray, spans: list[tuple[int, in
 
 def tokenize_rows(rows: Iterator[tuple[int, object]], tokenizer, *, messages_field: str = "messages",
                   max_length: int = 8192, overlong: str = "truncate", end_of_turn: str = "auto",
-                  batch_size: int = 512) -> Corpus:
+                  batch_size: int = 512, on_row=None) -> Corpus:
+    """`on_row(rows_read)` is called after each row (progress)."""
+    from entrypoint.chat_mask import Unmaskable, render
+
     eot = end_of_turn_token(tokenizer, end_of_turn)
     bad = BadRows()
     tok_chunks, lab_chunks, lengths, row_ids = [], [], [], []
     n_rows = 0
-    pending: list[tuple[int, str, list]] = []
+    pending: list[tuple[int, str, tuple]] = []
 
     def flush():
         if not pending:
@@ -235,20 +250,21 @@ def tokenize_rows(rows: Iterator[tuple[int, object]], tokenizer, *, messages_fie
 
     for row, raw in rows:
         n_rows += 1
+        if on_row is not None:
+            on_row(n_rows)
         messages, reason = validate_row(raw, messages_field)
         if messages is None:
             bad.add(reason, row)
             continue
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False)
+            rendered = render(tokenizer, messages, eot)
+        except Unmaskable as exc:
+            bad.add(exc.reason, row)
+            continue
         except Exception:  # noqa: BLE001 - jinja raises arbitrary exceptions (raise_exception on role order)
             bad.add("chat_template_rejected", row)
             continue
-        spans = assistant_spans(text, messages, eot)
-        if spans is None:
-            bad.add("template_dropped_content", row)
-            continue
-        pending.append((row, text, spans))
+        pending.append((row, rendered.text, rendered.spans))
         if len(pending) >= batch_size:
             flush()
     flush()
@@ -262,12 +278,32 @@ def tokenize_rows(rows: Iterator[tuple[int, object]], tokenizer, *, messages_fie
     )
 
 
-def load_corpus(cfg, tokenizer) -> Corpus:
-    """Build the corpus described by a DataConfig."""
+def load_corpus(cfg, tokenizer, log=None) -> Corpus:
+    """Build the corpus described by a DataConfig; `log` (a contracts.events.EventLog) gets
+    tokenisation progress with rows/s and an ETA from the bytes read."""
+    progress = None
+    if log is not None:
+        from contracts.events import Progress
+
+        progress = Progress(log, "tokenize", Path(cfg.path).name, min_interval=2.0)
+
+    def read_progress(done: int, total: int) -> None:
+        if progress is not None:
+            rows_per_s = progress_rows[0] / max(progress.elapsed, 1e-6)
+            progress.update(done, f"{progress_rows[0]} rows, {rows_per_s:.0f} rows/s", total=total)
+
+    progress_rows = [0]
+
+    def on_row(n: int) -> None:
+        progress_rows[0] = n
+
     corpus = tokenize_rows(
-        read_rows(cfg.path, cfg.format, cfg.max_rows), tokenizer, messages_field=cfg.messages_field,
-        max_length=cfg.max_length, overlong=cfg.overlong, end_of_turn=cfg.end_of_turn,
+        read_rows(cfg.path, cfg.format, cfg.max_rows, getattr(cfg, "max_row_bytes", 8 << 20), read_progress),
+        tokenizer, messages_field=cfg.messages_field, max_length=cfg.max_length, overlong=cfg.overlong,
+        end_of_turn=cfg.end_of_turn, on_row=on_row,
     )
+    if progress is not None:
+        progress.finish(f"{corpus.n_rows} rows -> {len(corpus)} documents, {int(corpus.offsets[-1])} tokens")
     if len(corpus) == 0:
         raise DataError(
             f"no usable rows in {cfg.path} ({corpus.n_rows} read; bad: {corpus.bad.counts})",
@@ -292,15 +328,16 @@ def corpus_key(cfg, tokenizer) -> str:
 
 
 def save_corpus(corpus: Corpus, path: Path) -> None:
-    """Atomic .npz write, so a reader never sees half a file."""
-    import os
+    """Atomic .npz write (contracts.atomic), so a reader never sees half a file."""
+    import io
 
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        np.savez(fh, tokens=corpus.tokens, labels=corpus.labels, offsets=corpus.offsets, rows=corpus.rows,
-                 meta=np.array(json.dumps({"bad": corpus.bad.to_dict(), "n_rows": corpus.n_rows,
-                                           "counts": corpus.bad.counts, "examples": corpus.bad.examples})))
-    os.replace(tmp, path)
+    from contracts import atomic
+
+    buffer = io.BytesIO()
+    np.savez(buffer, tokens=corpus.tokens, labels=corpus.labels, offsets=corpus.offsets, rows=corpus.rows,
+             meta=np.array(json.dumps({"bad": corpus.bad.to_dict(), "n_rows": corpus.n_rows,
+                                       "counts": corpus.bad.counts, "examples": corpus.bad.examples})))
+    atomic.write_bytes(path, buffer.getvalue())
 
 
 def read_corpus(path: Path) -> Corpus:

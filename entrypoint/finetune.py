@@ -5,14 +5,17 @@ The CLI calls `prepare` and execs the returned argv. Tests call it too.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from contracts.finetune_config import FinetuneConfig, build_config, parse_override, read_yaml, set_dotted
+from contracts.finetune_config import FinetuneConfig, build_config, parse_override, provenance, read_yaml, set_dotted
 from entrypoint.gate import GateOutcome, run_verify
-from entrypoint.launch import LaunchError, cache_env, resolve_topology, torchrun_argv, worker_env, write_plan
+from entrypoint.launch import LaunchError, cache_env, resolve_topology, torchrun_argv, worker_env
+from entrypoint.plan import PackingDecision, RunPlan
 
 EXIT_GATE = 3  # verify did not pass and --allow-fallback was not given
 
@@ -29,7 +32,7 @@ class Launch:
     argv: list[str]
     env: dict
     plan_path: Path
-    plan: dict
+    plan: RunPlan
 
 
 def lock_layer(log: Callable[[str], None]) -> tuple[dict, dict | None]:
@@ -54,13 +57,43 @@ def lock_layer(log: Callable[[str], None]) -> tuple[dict, dict | None]:
     return layer, summary
 
 
-def resolve_config(config_file: str | None, overrides: list[str], defaults: dict) -> FinetuneConfig:
+def config_layers(config_file: str | None, overrides: list[str], defaults: dict,
+                  flags: list[str] = ()) -> list[tuple[str, dict]]:
+    """The named layers, lowest first: image default < file < flag < KEY=VALUE override."""
     user = read_yaml(config_file) if config_file else {}
-    cli: dict = {}
-    for text in overrides:
-        key, value = parse_override(text)
-        set_dotted(cli, key, value)
-    return build_config([defaults, user, cli])
+    layers = [("image default", defaults), (f"file {config_file}" if config_file else "file", user)]
+    for name, items in (("flag", flags), ("override", overrides)):
+        tree: dict = {}
+        for text in items:
+            key, value = parse_override(text)
+            set_dotted(tree, key, value)
+        layers.append((name, tree))
+    return layers
+
+
+def resolve_config(config_file: str | None, overrides: list[str], defaults: dict,
+                   flags: list[str] = ()) -> FinetuneConfig:
+    return build_config([layer for _, layer in config_layers(config_file, overrides, defaults, flags)])
+
+
+def print_config(config_file: str | None, overrides: list[str], flags: list[str], log=print) -> str:
+    """The merged config, each key with the layer that set it (`finetune --print-config`)."""
+    defaults, _ = lock_layer(lambda _m: None)
+    layers = config_layers(config_file, overrides, defaults, flags)
+    cfg = build_config([layer for _, layer in layers], require_paths=False)
+    source = provenance(layers)
+    lines = []
+
+    def walk(tree: dict, prefix: str) -> None:
+        for key, value in tree.items():
+            dotted = f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(value, dotted + ".")
+            else:
+                lines.append(f"{dotted:<34} {json.dumps(value):<28} {source.get(dotted, 'built-in default')}")
+
+    walk(cfg.to_dict(), "")
+    return "\n".join([f"{'KEY':<34} {'VALUE':<28} SET BY", *lines])
 
 
 @contextlib.contextmanager
@@ -77,21 +110,24 @@ def _process_env(values: dict):
                 os.environ[k] = v
 
 
-def decide_packing(requested: str, gate: GateOutcome, allow_fallback: bool) -> dict:
+def decide_packing(requested: str, gate: GateOutcome) -> PackingDecision:
     if gate.passed or requested == "padded":
-        return {"requested": requested, "effective": requested,
-                "reason": "verify passed" if gate.passed else "padded requested"}
-    # Fallback kernels ignore cu_seqlens / seq_idx (DESIGN part 1): packed rows would let
-    # every document attend to and convolve with the previous one. 2D padded is exact.
-    return {"requested": requested, "effective": "padded",
-            "reason": "verify did not pass (--allow-fallback): packed rows would leak context across documents "
-                      "on fallback kernels, so batches are 2D padded"}
+        return PackingDecision(requested=requested, effective=requested,
+                               reason="verify passed" if gate.passed else "padded requested")
+    # Fallback kernels ignore cu_seqlens / seq_idx (transformers' torch references take **kwargs
+    # and drop them): packed rows would let every document attend to and convolve with the
+    # previous one. 2D padded batches are exact on every backend.
+    return PackingDecision(requested=requested, effective="padded",
+                           reason="verify did not pass (--allow-fallback): packed rows would leak context across "
+                                  "documents on fallback kernels, so batches are 2D padded")
 
 
 def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bool, env: dict,
-            log: Callable[[str], None] = print, gate: Callable[[], GateOutcome] = run_verify) -> Launch:
+            log: Callable[[str], None] = print, gate: Callable[..., GateOutcome] = run_verify,
+            flags: list[str] = (), events=None) -> Launch:
     defaults, lock = lock_layer(log)
-    cfg = resolve_config(config_file, overrides, defaults)
+    layers = config_layers(config_file, overrides, defaults, flags)
+    cfg = build_config([layer for _, layer in layers])
     cfg.output.dir = str(Path(cfg.output.dir).absolute())
     if not Path(cfg.data.path).exists():
         raise FinetuneError(f"data file {cfg.data.path} does not exist",
@@ -103,6 +139,10 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
     if not model.exists() and (model.is_absolute() or cfg.model.path.startswith(".")):
         raise FinetuneError(f"model.path {model} does not exist",
                             "mount the model directory into the container and set model.path to it")
+    if cfg.output.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise FinetuneError("output.tensorboard=true, but the tensorboard package is not installed in this image",
+                            "add tensorboard to the image's python requirements and rebuild, or set "
+                            "output.tensorboard=false (metrics.jsonl is always written)")
     try:
         Path(cfg.output.dir).mkdir(parents=True, exist_ok=True)
         probe = Path(cfg.output.dir) / ".write-probe"
@@ -113,8 +153,9 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
                             "mount a writable volume and set output.dir (or --output-dir) to it") from None
 
     log("[finetune] running verify (the run stops unless it passes)")
+    model_dir = cfg.model.path if (Path(cfg.model.path) / "config.json").is_file() else None
     with _process_env(cache_env(cfg, env)):  # verify imports transformers/triton: keep caches writable
-        outcome = gate()
+        outcome = gate(model=model_dir, param_dtype=cfg.parallel.param_dtype)
     if not outcome.passed:
         log(outcome.table)
         if not allow_fallback:
@@ -124,16 +165,40 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
                 "anyway on the fallback path with 2D padded batches (recorded in run_report.json)", exit_code=EXIT_GATE)
         log(f"[finetune] WARNING: verify did not pass (worst: {outcome.worst}); --allow-fallback given, "
             "continuing ON THE RECORD with 2D padded batches")
-    packing = decide_packing(cfg.packing.mode, outcome, allow_fallback)
-    cfg.packing.mode = packing["effective"]
+    packing = decide_packing(cfg.packing.mode, outcome)
+    cfg.packing.mode = packing.effective
     try:
         topo = resolve_topology(cfg, env)
     except LaunchError as exc:
         raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
-    plan = {"config": cfg.to_dict(), "config_file": config_file, "overrides": overrides,
-            "verify": outcome.to_dict(), "allow_fallback": bool(allow_fallback and not outcome.passed),
-            "allow_fallback_flag": bool(allow_fallback), "packing": packing, "lock": lock,
-            "topology": topo.__dict__}
-    plan_path = write_plan(plan, Path(cfg.output.dir), topo.node_rank)
+    with _process_env(cache_env(cfg, env)):
+        corpus = build_corpus(cfg, log, events)
+    plan = RunPlan(config=cfg, config_file=config_file, overrides=list(overrides), verify=outcome.to_dict(),
+                   allow_fallback=bool(allow_fallback and not outcome.passed), allow_fallback_flag=bool(allow_fallback),
+                   packing=packing, lock=lock, topology=topo.__dict__, corpus=str(corpus),
+                   provenance=provenance(layers))
+    plan_path = plan.write(Path(cfg.output.dir) / ".launch" / f"plan-node{topo.node_rank}.json")
     wenv = worker_env(cfg, topo, env)
     return Launch(argv=torchrun_argv(topo, plan_path), env=wenv, plan_path=plan_path, plan=plan)
+
+
+def build_corpus(cfg: FinetuneConfig, log: Callable[[str], None], events=None) -> Path:
+    """Tokenize once, here, before any rank starts: no rank waits on another (and on the
+    process group's timeout) while rank 0 tokenizes. The workers load the cached file."""
+    from entrypoint.data import DataError, corpus_key, load_corpus, read_corpus, save_corpus
+    from entrypoint.model import ModelError, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+        path = Path(cfg.output.dir) / ".cache" / "corpus" / f"corpus-{corpus_key(cfg.data, tokenizer)}.npz"
+        if path.is_file():
+            corpus = read_corpus(path)
+            log(f"[finetune] data: {len(corpus)} documents from the tokenized cache {path.name}")
+            return path
+        corpus = load_corpus(cfg.data, tokenizer, events)
+    except (DataError, ModelError) as exc:
+        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
+    save_corpus(corpus, path)
+    log(f"[finetune] data: {len(corpus)} documents, {int(corpus.offsets[-1])} tokens from {corpus.n_rows} rows; "
+        f"bad rows: {corpus.bad.counts or 'none'}, truncated: {corpus.bad.truncated}")
+    return path

@@ -1,7 +1,6 @@
-"""The verify gate: one small function between finetune and verify/.
-
-finetune trains only when verify passes (fail closed). The call is isolated here so the
-rest of the entrypoint sees one plain result, whatever verify's internals become.
+"""The verify gate: one small function between training (ours, or any command through the
+gate) and verify/. Training runs only when verify passes (fail closed); whatever verify's
+internals become, the rest of the entrypoint sees one plain result.
 """
 from __future__ import annotations
 
@@ -16,19 +15,17 @@ class GateOutcome:
     table: str                         # the human table verify printed
     report: dict[str, Any] = field(default_factory=dict)  # verify's JSON report, for run_report.json
 
-    def failing_rows(self) -> list[dict]:
-        return [r for r in self.report.get("results", []) if r.get("status") in ("WARN", "FAIL")]
-
     def to_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "worst": self.worst, "report": self.report}
 
 
-def run_verify() -> GateOutcome:
-    """Run verify's full check set on this node. Any failure to even run verify is a FAIL."""
+def run_verify(*, model: str | None = None, param_dtype: str = "bfloat16") -> GateOutcome:
+    """Run verify's full check set on this node, for the model to be trained (its config.json)
+    and the dtype it trains in. Any failure to even run verify is a FAIL."""
     try:
         from verify import run_checks
 
-        report = run_checks()
+        report = run_checks(model=model, param_dtype=param_dtype)
     except Exception as exc:  # noqa: BLE001 - an import or crash must fail closed, readably
         msg = f"verify could not run: {type(exc).__name__}: {exc}"
         return GateOutcome(passed=False, worst="ERROR", table=msg,

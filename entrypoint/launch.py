@@ -3,8 +3,8 @@ write the run plan, and exec `python -m torch.distributed.run -m entrypoint.trai
 
 Topology:
 * one node: `--rdzv-backend static --master-addr 127.0.0.1 --master-port <free>`. The
-  default rendezvous resolves the hostname, which hangs under `docker run --network none`
-  (DESIGN part 2); static on loopback needs no name service. On CPU, GLOO_SOCKET_IFNAME=lo
+  default rendezvous resolves the container's hostname, which hangs under `docker run
+  --network none`; static on loopback needs no name service. On CPU, GLOO_SOCKET_IFNAME=lo
   keeps gloo off interfaces that do not exist there.
 * several nodes, from the standard environment: NNODES / NODE_RANK / MASTER_ADDR /
   MASTER_PORT (also the Training Operator's PET_* names and Slurm's SLURM_NNODES /
@@ -13,7 +13,6 @@ Topology:
 """
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
@@ -138,6 +137,12 @@ def worker_env(cfg: FinetuneConfig, topo: Topology, env: dict) -> dict:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, topo.nproc_per_node))))
     env["PYTHONUNBUFFERED"] = "1"
+    if sys.flags.isolated:
+        # torchrun starts the workers as `python -u -m entrypoint.train`, without -I: keep them
+        # as isolated as this process (no working-directory or user-site modules, no PYTHONPATH)
+        env["PYTHONSAFEPATH"] = "1"
+        env["PYTHONNOUSERSITE"] = "1"
+        env.pop("PYTHONPATH", None)
     return env
 
 
@@ -147,15 +152,6 @@ def prepare_dirs(env: dict) -> None:
             Path(path).mkdir(parents=True, exist_ok=True)
         except OSError:
             pass  # the library that uses it will say what is wrong, with its own path
-
-
-def write_plan(plan: dict, out_dir: Path, node_rank: int) -> Path:
-    path = out_dir / ".launch" / f"plan-node{node_rank}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(plan, indent=2, default=str))
-    os.replace(tmp, path)
-    return path
 
 
 def torchrun_argv(topo: Topology, plan_path: Path) -> list[str]:

@@ -123,13 +123,19 @@ class IntervalMeter:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line; flushed each write so a killed run keeps its log."""
+    """metrics.jsonl (one JSON object per line, fsynced each write so a killed run keeps its
+    log) and, with output.tensorboard, the same scalars as TensorBoard events."""
 
-    def __init__(self, path: Path, enabled: bool):
-        self.path = path
+    def __init__(self, out_dir: Path, enabled: bool, tensorboard: bool = False):
+        self.path = Path(out_dir) / "metrics.jsonl"
         self.enabled = enabled
+        self.board = None
         if enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.board = SummaryWriter(log_dir=str(Path(out_dir) / "tensorboard"))
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -138,3 +144,12 @@ class MetricsWriter:
             fh.write(json.dumps(record) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
+        if self.board is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.board.add_scalar(f"train/{key}", value, record["step"])
+            self.board.flush()
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()

@@ -9,6 +9,7 @@ import torch
 class ModelError(Exception):
     def __init__(self, message: str, fix: str):
         super().__init__(f"{message}\n  fix: {fix}")
+        self.fix = fix
 
 
 def resolve_attention(configured: str, lock_attn: str | None, device_type: str) -> str:

@@ -7,46 +7,84 @@ its outcome, which this worker copies into run_report.json.
 from __future__ import annotations
 
 import argparse
-import json
+import datetime
 import os
+import signal
 import sys
 import traceback
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from contracts.finetune_config import ConfigError, from_dict
-from entrypoint.checkpoint import CheckpointError
+from contracts import atomic
+from contracts.finetune_config import ConfigError
+from entrypoint.checkpoint import CheckpointError, DiskFull
+from entrypoint.console import Console
 from entrypoint.data import DataError
 from entrypoint.model import ModelError
+from entrypoint.plan import RunPlan
 from entrypoint.sampler import SamplerStateError
-from entrypoint.trainer import Console, Trainer
+from entrypoint.trainer import NonFiniteLoss, Trainer
 
-USER_ERRORS = (ConfigError, DataError, ModelError, SamplerStateError, CheckpointError)  # carry a fix; no traceback
+USER_ERRORS = (ConfigError, DataError, ModelError, SamplerStateError, CheckpointError, NonFiniteLoss)  # carry a fix
+ONCE_ERRORS = (DiskFull, NonFiniteLoss)
+EXIT_INTERRUPTED = 143   # 128 + SIGTERM, what a stopped container reports
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
+def init_distributed(timeout_minutes: int) -> tuple[int, int, torch.device]:
+    """The process group, with the configured collective timeout (launch.timeout_minutes)."""
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def run(plan: dict) -> dict:
-    cfg = from_dict(plan["config"])
-    rank, world, device = init_distributed()
-    if plan["allow_fallback"]:
+class StopRequest:
+    """SIGTERM (docker stop, a preempted pod, torchrun forwarding one) asks the run to stop at
+    the next step boundary, after a checkpoint, rather than dying mid-step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def __call__(self) -> bool:
+        return self.requested
+
+
+def die_with_launcher() -> None:
+    """If the launcher dies (even by SIGKILL), this worker gets SIGTERM: it checkpoints at the
+    next step boundary and exits, instead of living on as an orphan on the host."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:   # the launcher died before we could ask
+            os.kill(os.getpid(), signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def run(plan: RunPlan, stop: StopRequest) -> dict:
+    cfg = plan.config
+    rank, world, device = init_distributed(cfg.launch.timeout_minutes)
+    if plan.allow_fallback:
         Console(rank).every_rank(
             "WARNING: --allow-fallback: training although verify did not pass "
-            f"(worst={plan['verify'].get('worst')}); batches={plan['packing']['effective']} "
-            f"({plan['packing']['reason']}). Recorded in run_report.json.")
+            f"(worst={plan.verify.get('worst')}); batches={plan.packing.effective} "
+            f"({plan.packing.reason}). Recorded in run_report.json.")
     trainer = Trainer.build(cfg, plan, rank, world, device)
+    trainer.stop_requested = stop
     trainer.resume()
     trainer.fit()
     result = trainer.finish()
@@ -56,43 +94,46 @@ def run(plan: dict) -> dict:
     return result
 
 
-def write_report(path: Path, plan: dict, result: dict, status: str, error: str = "") -> None:
-    report = {"status": status, "error": error, "config": plan["config"], "config_file": plan.get("config_file"),
-              "overrides": plan.get("overrides", []), "verify": plan["verify"],
-              "allow_fallback": plan["allow_fallback"], "packing": plan["packing"],
-              "packing_mode": plan["packing"]["effective"], "lock": plan.get("lock"),
-              "topology": plan.get("topology"), **result}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+def write_report(path: Path, plan: RunPlan, result: dict, status: str, error: str = "") -> None:
+    report = {"status": status, "error": error, "config": plan.config.to_dict(), "config_file": plan.config_file,
+              "overrides": plan.overrides, "verify": plan.verify, "allow_fallback": plan.allow_fallback,
+              "packing": asdict(plan.packing), "packing_mode": plan.packing.effective, "lock": plan.lock,
+              "topology": plan.topology, "interrupted": False, **result}
+    atomic.write_json(path, report, default=str)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m entrypoint.train")
     parser.add_argument("--plan", required=True, help="run plan JSON written by `python -m entrypoint finetune`")
     args = parser.parse_args(argv)
-    plan = json.loads(Path(args.plan).read_text())
-    report_path = Path(plan["config"]["output"]["dir"]) / "run_report.json"
+    stop = StopRequest()
+    die_with_launcher()
+    plan = RunPlan.read(Path(args.plan))
+    report_path = Path(plan.config.output.dir) / "run_report.json"
     rank = int(os.environ.get("RANK", 0))
     try:
-        result = run(plan)
+        result = run(plan, stop)
     except Exception as exc:  # noqa: BLE001 - every failure is reported; user errors without a traceback
         user = isinstance(exc, USER_ERRORS)
         msg = str(exc) if user else f"{type(exc).__name__}: {exc}"
-        print(f"[finetune rank{rank}] ERROR: {msg}", file=sys.stderr, flush=True)
+        # one ERROR line per run for what every rank hits alike (a full disk, a NaN loss)
+        if rank == 0 or not isinstance(exc, ONCE_ERRORS):
+            print(f"[finetune rank{rank}] ERROR: {msg}", file=sys.stderr, flush=True)
         if not user:
             traceback.print_exc()
         if rank == 0:
-            write_report(report_path, plan, {}, "failed", msg)
+            write_report(report_path, plan, {"interrupted": stop.requested}, "failed", msg)
         return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     if rank == 0:
-        write_report(report_path, plan, result, "completed")
-        print(f"[finetune] done: step {result['final_step']} loss {result['final_loss']:.4f}; "
+        status = "interrupted" if result["interrupted"] else "completed"
+        write_report(report_path, plan, result, status)
+        what = "stopped by SIGTERM after a checkpoint at" if result["interrupted"] else "done:"
+        print(f"[finetune] {what} step {result['final_step']} loss {result['final_loss']:.4f}; "
               f"report {report_path}", flush=True)
-    return 0
+    return EXIT_INTERRUPTED if result["interrupted"] else 0
 
 
 if __name__ == "__main__":

@@ -1,97 +1,53 @@
 """The training loop: one object that owns what a step needs, in build order.
 
-build: data (tokenize once, cache) -> sampler -> model (rank 0 reads weights, the others
-build on meta) -> activation checkpointing -> FSDP2 -> weights broadcast -> AdamW +
-warmup/cosine -> checkpointer. Then resume, fit (steps, logs, checkpoints), finish
-(final checkpoint, HF export).
+build: data (tokenized once by the launcher, before the ranks started) -> sampler -> model
+(rank 0 reads weights, the others build on meta) -> activation checkpointing -> FSDP2 ->
+weights broadcast -> AdamW + transformers' warmup/cosine-with-floor schedule ->
+checkpointer. Then resume, fit (steps, logs, checkpoints; a stop request ends at the next
+step boundary with a checkpoint), finish (final checkpoint, HF export).
 """
 from __future__ import annotations
 
 import math
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from contracts.collate import IGNORE_INDEX
 from contracts.finetune_config import FinetuneConfig, parse_profile_steps
 from entrypoint.batches import MicroBatch, build_micro_batch
-from entrypoint.checkpoint import Checkpointer, export_hf, list_checkpoints
-from entrypoint.data import Corpus, corpus_key, load_corpus, read_corpus, save_corpus
+from entrypoint.checkpoint import Checkpointer, CheckpointError, export_hf, list_checkpoints
+from entrypoint.console import Console
+from entrypoint.data import Corpus, read_corpus
+from entrypoint.loss import loss_sum, to_device
 from entrypoint.metrics import FlopModel, IntervalMeter, MetricsWriter, device_peak_flops, flop_model
 from entrypoint.model import load_model_for_sharding, load_tokenizer, materialize, resolve_attention
 from entrypoint.parallelize import DTYPES, apply_activation_checkpointing, apply_fsdp
+from entrypoint.plan import RunPlan
 from entrypoint.profiling import StepProfiler
 from entrypoint.sampler import PackedSampler
 
 
-class Console:
-    def __init__(self, rank: int):
-        self.rank = rank
+class NonFiniteLoss(Exception):
+    """The loss became NaN or inf: the run stops, and the weights are never exported."""
 
-    def info(self, msg: str) -> None:
-        if self.rank == 0:
-            print(f"[finetune] {msg}", flush=True)
-
-    def every_rank(self, msg: str) -> None:
-        print(f"[finetune rank{self.rank}] {msg}", file=sys.stderr, flush=True)
+    def __init__(self, step: int, loss: float):
+        super().__init__(f"the loss became {loss} at step {step}; stopping without exporting the weights\n"
+                         "  fix: lower train.lr or raise train.warmup_steps, check the data (inspect-data), "
+                         "and resume from the last checkpoint")
+        self.fix = "lower train.lr or raise train.warmup_steps, check the data, resume from the last checkpoint"
 
 
-def lr_lambda(warmup: int, total: int, min_ratio: float):
-    """Linear warmup to 1, then cosine down to min_ratio at `total`."""
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return f
+def schedule(optimizer, cfg: FinetuneConfig):
+    """transformers' warmup + cosine down to a floor (min_lr_rate). Its warmup starts at lr 0 at
+    step 0: the first optimizer step runs at lr 0."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-
-def _ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def chunked_ce_sum(logits: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Summed CE over [N, V] logits, `chunk` rows at a time, each chunk recomputed in
-    backward. Unchunked, a 248k vocabulary at 8192 tokens keeps an fp32 copy of the
-    logits and the fp32 log-softmax alive until backward (~16 GB); chunked, only the
-    bf16 logits stay, plus one chunk's fp32 transients."""
-    if chunk <= 0 or logits.shape[0] <= chunk:
-        return _ce_sum(logits, labels)
-    from torch.utils.checkpoint import checkpoint
-
-    parts = [checkpoint(_ce_sum, a, b, use_reentrant=False) for a, b in zip(logits.split(chunk), labels.split(chunk))]
-    return torch.stack(parts).sum()
-
-
-def loss_sum(model, inputs: dict, labels: torch.Tensor, chunk: int = 0) -> torch.Tensor:
-    """Summed next-token CE over valid labels (shift inside: labels are unshifted, as the
-    collators emit them). Summed, not averaged: the caller divides by the GLOBAL count."""
-    logits = model(**inputs, use_cache=False).logits
-    return chunked_ce_sum(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), chunk)
-
-
-def to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def load_corpus_once(cfg: FinetuneConfig, tokenizer, cache_dir: Path, rank: int) -> tuple[Corpus, bool]:
-    """Rank 0 tokenizes and caches under output.dir; the other ranks load its file.
-    Tokenizing ultrachat_200k takes minutes; every rank doing it at once takes longer.
-    A node that cannot see the file (output.dir not shared) tokenizes for itself."""
-    path = cache_dir / f"corpus-{corpus_key(cfg.data, tokenizer)}.npz"
-    cached = path.exists()
-    if rank == 0 and not cached:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        save_corpus(load_corpus(cfg.data, tokenizer), path)
-    dist.barrier()
-    if path.exists():
-        return read_corpus(path), cached
-    return load_corpus(cfg.data, tokenizer), False
+    t = cfg.train
+    return get_cosine_with_min_lr_schedule_with_warmup(optimizer, num_warmup_steps=t.warmup_steps,
+                                                       num_training_steps=t.max_steps, min_lr_rate=t.min_lr_ratio)
 
 
 @dataclass
@@ -111,7 +67,7 @@ class StepStats:
 @dataclass
 class Trainer:
     cfg: FinetuneConfig
-    plan: dict
+    plan: RunPlan
     rank: int
     world: int
     device: torch.device
@@ -130,34 +86,27 @@ class Trainer:
     resumed_from: str | None = None
     last_loss: float = float("nan")
     last_saved: int = 0
-    extra: dict = field(default_factory=dict)
+    interrupted: bool = False
+    stop_requested: object = None          # a callable() -> bool, set by the worker (SIGTERM)
 
     @property
     def out(self) -> Path:
         return Path(self.cfg.output.dir)
 
-    @property
-    def packed(self) -> bool:
-        return self.plan["packing"]["effective"] == "packed"
-
     @classmethod
-    def build(cls, cfg: FinetuneConfig, plan: dict, rank: int, world: int, device: torch.device) -> Trainer:
+    def build(cls, cfg: FinetuneConfig, plan: RunPlan, rank: int, world: int, device: torch.device) -> Trainer:
         con = Console(rank)
         out = Path(cfg.output.dir)
-        packed = plan["packing"]["effective"] == "packed"
         torch.manual_seed(cfg.train.seed)
-
-        t0 = time.perf_counter()
         tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
-        corpus, cached = load_corpus_once(cfg, tokenizer, out / ".cache" / "corpus", rank)
-        con.info(f"data: {len(corpus)} documents, {int(corpus.offsets[-1])} tokens from {corpus.n_rows} rows "
-                 f"in {time.perf_counter() - t0:.1f}s{' (cached)' if cached else ''}; "
+        corpus = read_corpus(Path(plan.corpus))
+        con.info(f"data: {len(corpus)} documents, {int(corpus.offsets[-1])} tokens from {corpus.n_rows} rows; "
                  f"bad rows: {corpus.bad.counts or 'none'}, truncated: {corpus.bad.truncated} "
                  f"(policy overlong={cfg.data.overlong})")
-        sampler = PackedSampler(corpus.lengths, "bfd" if packed else "padded", cfg.packing.budget,
+        sampler = PackedSampler(corpus.lengths, "bfd" if plan.packed else "padded", cfg.packing.budget,
                                 cfg.packing.shuffle_window, cfg.train.seed, world, rank, cfg.train.grad_accum)
 
-        lock_attn = (plan.get("lock") or {}).get("attn_implementation")
+        lock_attn = (plan.lock or {}).get("attn_implementation")
         attn = resolve_attention(cfg.model.attn_implementation, lock_attn, device.type)
         model, full_sd = load_model_for_sharding(cfg.model.path, attn_implementation=attn, rank=rank,
                                                  world_size=world, trust_remote_code=cfg.model.trust_remote_code)
@@ -177,12 +126,10 @@ class Trainer:
         t = cfg.train
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                                       weight_decay=t.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
-                                                      lr_lambda(t.warmup_steps, t.max_steps, t.min_lr_ratio))
         ckpt = Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, rank=rank, world_size=world)
         return cls(cfg=cfg, plan=plan, rank=rank, world=world, device=device, con=con, tokenizer=tokenizer,
-                   corpus=corpus, sampler=sampler, model=model, optimizer=optimizer, scheduler=scheduler,
-                   ckpt=ckpt, flops=flops, attn=attn, n_params=n_params)
+                   corpus=corpus, sampler=sampler, model=model, optimizer=optimizer,
+                   scheduler=schedule(optimizer, cfg), ckpt=ckpt, flops=flops, attn=attn, n_params=n_params)
 
     def resume(self) -> None:
         stale = self.ckpt.clean_stale()
@@ -191,23 +138,26 @@ class Trainer:
         mode = self.cfg.checkpoint.resume
         if mode == "never":
             return
-        if mode == "auto":
-            found = list_checkpoints(self.out / "checkpoints")
-            if not found:
-                return
-            path = found[-1]
-        else:
-            path = Path(mode)
-        state = self.ckpt.load(path, self.model, self.optimizer)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.step = self.last_saved = int(state["step"])
-        self.resumed_from = str(path)
-        self.con.info(f"resumed from {path} at step {self.step}")
+        candidates = list(reversed(list_checkpoints(self.out / "checkpoints"))) if mode == "auto" else [Path(mode)]
+        for path in candidates:
+            try:
+                state = self.ckpt.load(path, self.model, self.optimizer)
+            except CheckpointError as exc:
+                if mode != "auto":
+                    raise
+                # the newest may be damaged (a truncated shard): take the newest valid one
+                self.con.info(f"WARNING: skipping checkpoint {path.name}: {str(exc).splitlines()[0]}")
+                continue
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.sampler.load_state_dict(state["sampler"])
+            self.step = self.last_saved = int(state["step"])
+            self.resumed_from = str(path)
+            self.con.info(f"resumed from {path} at step {self.step}")
+            return
 
     def micro_batches(self) -> tuple[int, list[MicroBatch]]:
         epoch, bins = self.sampler.next_step()
-        return epoch, [build_micro_batch(self.corpus, ids, packed=self.packed, budget=self.cfg.packing.budget,
+        return epoch, [build_micro_batch(self.corpus, ids, packed=self.plan.packed, budget=self.cfg.packing.budget,
                                          pad_token_id=self.tokenizer.pad_token_id) for ids in bins]
 
     def train_step(self) -> StepStats:
@@ -230,11 +180,13 @@ class Trainer:
             local_sum += ls.detach()
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        dist.all_reduce(local_sum)
+        loss = local_sum.item() / max(n_loss, 1)
+        if not math.isfinite(loss):   # every rank sees the same reduced loss, so all stop together
+            raise NonFiniteLoss(self.step, loss)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(local_sum)
-        loss = local_sum.item() / max(n_loss, 1)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         if self.device.type == "cuda":
@@ -243,34 +195,52 @@ class Trainer:
                          sum_sq=sum_sq, n_micro=len(mbs) * self.world, epoch=epoch, data_s=data_s,
                          compute_s=time.perf_counter() - tc)
 
+    def _stop_agreed(self) -> bool:
+        """Did any rank get a stop request? Agreed by all ranks, so they checkpoint together."""
+        flag = torch.tensor([1.0 if (self.stop_requested and self.stop_requested()) else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     def fit(self) -> None:
         cfg = self.cfg
-        metrics = MetricsWriter(self.out / "metrics.jsonl", enabled=self.rank == 0)
+        metrics = MetricsWriter(self.out, enabled=self.rank == 0, tensorboard=cfg.output.tensorboard)
         peak = device_peak_flops(cfg.output.peak_tflops)
         window = parse_profile_steps(cfg.output.profile_steps) if cfg.output.profile_steps else None
         profiler = StepProfiler(window, self.out / "profile", self.rank, self.con.info)
         meter, interval_start = IntervalMeter(), time.perf_counter()
-        while self.step < cfg.train.max_steps:
-            self.step += 1
-            profiler.before_step(self.step)
-            s = self.train_step()
-            profiler.after_step(self.step)
-            self.last_loss = s.loss
-            meter.add(s, self.flops.train_flops(s.n_real, s.sum_sq), cfg.packing.budget)
-            if self.step % cfg.output.log_every == 0 or self.step == cfg.train.max_steps:
-                rec = {"step": self.step, "epoch": s.epoch, "loss": s.loss, "loss_avg": meter.mean_loss(),
-                       "lr": self.scheduler.get_last_lr()[0], "grad_norm": s.grad_norm, "loss_tokens": s.n_loss,
-                       **meter.summary(time.perf_counter() - interval_start, self.world, peak)}
-                metrics.write(rec)
-                self.con.info(format_record(rec, cfg.train.max_steps))
-                meter, interval_start = IntervalMeter(), time.perf_counter()
-            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                t_save = time.perf_counter()
-                self.save()
-                saved_s = time.perf_counter() - t_save
-                interval_start += saved_s  # checkpoint time is not step time
-                self.con.info(f"checkpoint step {self.step} saved in {saved_s:.1f}s")
-        profiler.close()
+        started, first_step, step_seconds = time.perf_counter(), self.step, 0.0
+        try:
+            while self.step < cfg.train.max_steps:
+                if self._stop_agreed():
+                    self.interrupted = True
+                    self.con.info(f"stop requested (SIGTERM): checkpointing at step {self.step}")
+                    self.save()
+                    return
+                self.step += 1
+                profiler.before_step(self.step)
+                s = self.train_step()
+                profiler.after_step(self.step)
+                self.last_loss = s.loss
+                step_seconds += s.data_s + s.compute_s
+                meter.add(s, self.flops.train_flops(s.n_real, s.sum_sq), cfg.packing.budget)
+                if self.step % cfg.output.log_every == 0 or self.step == cfg.train.max_steps:
+                    rec = {"step": self.step, "epoch": s.epoch, "loss": s.loss, "loss_avg": meter.mean_loss(),
+                           "lr": self.scheduler.get_last_lr()[0], "grad_norm": s.grad_norm, "loss_tokens": s.n_loss,
+                           **meter.summary(time.perf_counter() - interval_start, self.world, peak)}
+                    metrics.write(rec)
+                    done = self.step - first_step
+                    eta = step_seconds / done * (cfg.train.max_steps - self.step) if done else None
+                    self.con.step(rec, cfg.train.max_steps, time.perf_counter() - started, eta)
+                    meter, interval_start = IntervalMeter(), time.perf_counter()
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    t_save = time.perf_counter()
+                    self.save()
+                    saved_s = time.perf_counter() - t_save
+                    interval_start += saved_s  # checkpoint time is not step time
+                    self.con.info(f"checkpoint step {self.step} saved in {saved_s:.1f}s")
+        finally:
+            profiler.close()
+            metrics.close()
 
     def save(self) -> None:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict(),
@@ -279,24 +249,18 @@ class Trainer:
         self.last_saved = self.step
 
     def finish(self) -> dict:
-        if self.last_saved != self.step:
-            self.save()
         exported = None
-        if self.cfg.checkpoint.export:
-            exported = export_hf(self.model, self.model.config, self.tokenizer, self.out / "final",
-                                 dtype=DTYPES[self.cfg.checkpoint.export_dtype], rank=self.rank)
-            if exported:
-                self.con.info(f"exported HF safetensors to {exported}")
+        if not self.interrupted:
+            if self.last_saved != self.step:
+                self.save()
+            if self.cfg.checkpoint.export:
+                exported = export_hf(self.model, self.model.config, self.tokenizer, self.out / "final",
+                                     dtype=DTYPES[self.cfg.checkpoint.export_dtype], rank=self.rank)
+                if exported:
+                    self.con.info(f"exported HF safetensors to {exported}")
         c = self.corpus
         return {"final_loss": self.last_loss, "final_step": self.step, "resumed_from": self.resumed_from,
-                "bad_rows": c.bad.to_dict(), "documents": len(c), "rows_read": c.n_rows,
-                "tokens": int(c.offsets[-1]), "data_fingerprint": c.fingerprint(),
+                "interrupted": self.interrupted, "bad_rows": c.bad.to_dict(), "documents": len(c),
+                "rows_read": c.n_rows, "tokens": int(c.offsets[-1]), "data_fingerprint": c.fingerprint(),
                 "exported": str(exported) if exported else None, "world_size": self.world,
                 "attn_implementation": self.attn, "n_params": self.n_params}
-
-
-def format_record(rec: dict, max_steps: int) -> str:
-    mfu = f"{rec['mfu'] * 100:.1f}%" if rec["mfu"] is not None else "n/a"
-    return (f"step {rec['step']}/{max_steps} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
-            f"tok/s {rec['tokens_per_s']:.0f} pad {rec['padding_ratio']:.1%} pack {rec['packing_efficiency']:.1%} "
-            f"mfu {mfu} step {rec['step_time_s'] * 1e3:.0f}ms (data {rec['data_time_s'] * 1e3:.0f}ms)")

@@ -52,7 +52,7 @@ def test_flops_count_attention_per_document(fixture_dir):
 def test_chunked_loss_equals_unchunked_in_value_and_gradient():
     import torch
 
-    from entrypoint.trainer import chunked_ce_sum
+    from entrypoint.loss import chunked_ce_sum
 
     torch.manual_seed(0)
     logits = torch.randn(37, 11, dtype=torch.bfloat16, requires_grad=True)

@@ -197,11 +197,11 @@ def test_packing_decision_under_the_gate():
 
     ok = GateOutcome(passed=True, worst="PASS", table="")
     bad = GateOutcome(passed=False, worst="FAIL", table="")
-    assert decide_packing("packed", ok, False)["effective"] == "packed"
-    assert decide_packing("padded", ok, False)["effective"] == "padded"
-    fallback = decide_packing("packed", bad, True)
-    assert fallback["effective"] == "padded" and "leak" in fallback["reason"]
-    assert decide_packing("padded", bad, True)["effective"] == "padded"
+    assert decide_packing("packed", ok).effective == "packed"
+    assert decide_packing("padded", ok).effective == "padded"
+    fallback = decide_packing("packed", bad)
+    assert fallback.effective == "padded" and fallback.requested == "packed" and "leak" in fallback.reason
+    assert decide_packing("padded", bad).effective == "padded"
 
 
 def test_gate_reports_a_verify_crash_as_failure(monkeypatch):

@@ -1,0 +1,134 @@
+"""The finetune and inspect-data commands: argument parsing and error reporting over
+entrypoint.finetune (the library), and torchrun called in-process."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from entrypoint.console import ALLOW_FALLBACK_ENV, err, log, truthy
+
+EXIT_USAGE = 2
+
+
+def finetune_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m entrypoint finetune",
+        description="verify-gated FSDP2 SFT. Config layers: image defaults (lock) < --config YAML < flags < KEY=VALUE.",
+    )
+    p.add_argument("--config", help="finetune YAML (sections: model, data, packing, train, parallel, checkpoint, "
+                                    "output, launch)")
+    p.add_argument("--allow-fallback", action="store_true",
+                   help=f"train even when verify fails (also {ALLOW_FALLBACK_ENV}=1); forces 2D padded batches; "
+                        "recorded in run_report.json")
+    p.add_argument("--packing", choices=("packed", "padded"), help="= packing.mode")
+    p.add_argument("--profile-steps", metavar="A:B", help="= output.profile_steps")
+    p.add_argument("--output-dir", help="= output.dir")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the merged config, each key with the layer that set it, and exit")
+    p.add_argument("--json-logs", action="store_true",
+                   help="progress as JSON lines on stderr (one schema for tokenisation and training)")
+    p.add_argument("--dry-run", action="store_true", help="resolve config, gate and topology; print the plan; "
+                                                          "do not launch")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.max_steps=100 packing.budget=4096")
+    return p
+
+
+def flag_overrides(args: argparse.Namespace) -> list[str]:
+    flags = []
+    if args.packing:
+        flags.append(f"packing.mode={args.packing}")
+    if args.profile_steps:
+        flags.append(f"output.profile_steps={args.profile_steps}")
+    if args.output_dir:
+        flags.append(f"output.dir={args.output_dir}")
+    return flags
+
+
+def finetune(argv: list[str]) -> int:
+    from contracts.events import EventLog
+    from contracts.finetune_config import ConfigError
+    from entrypoint.console import JSON_LOGS_ENV
+    from entrypoint.finetune import FinetuneError, prepare, print_config
+
+    args = finetune_parser().parse_args(argv)
+    flags = flag_overrides(args)
+    try:
+        if args.print_config:
+            print(print_config(args.config, list(args.overrides), flags))
+            return 0
+        allow_fallback = args.allow_fallback or truthy(os.environ.get(ALLOW_FALLBACK_ENV))
+        env = dict(os.environ)
+        if args.json_logs:
+            env[JSON_LOGS_ENV] = "1"   # the workers inherit it
+        events = EventLog(json_lines=args.json_logs)
+        launch = prepare(config_file=args.config, overrides=list(args.overrides), flags=flags,
+                         allow_fallback=allow_fallback, env=env, log=log, events=events)
+    except (ConfigError, FinetuneError) as exc:
+        err(str(exc), getattr(exc, "fix", ""))
+        return getattr(exc, "exit_code", EXIT_USAGE)
+    if args.dry_run:
+        print(json.dumps({"argv": launch.argv, "plan": str(launch.plan_path)}, indent=2))
+        return 0
+    log(f"[finetune] launching: {' '.join(launch.argv)}")
+    return run_torchrun(launch.argv, launch.env, launch.plan.config.output.dir)
+
+
+def inspect_data(argv: list[str]) -> int:
+    from contracts.finetune_config import ConfigError
+    from entrypoint.data import DataError
+    from entrypoint.finetune import lock_layer, resolve_config
+    from entrypoint.inspect_data import inspect
+    from entrypoint.model import ModelError, load_tokenizer
+
+    p = argparse.ArgumentParser(prog="python -m entrypoint inspect-data",
+                                description="render documents exactly as the trainer sees them, trained tokens marked")
+    p.add_argument("--config", required=True, help="the finetune YAML (its model and data sections are used)")
+    p.add_argument("--rows", type=int, default=3, help="documents to show (default 3); the summary counts all rows")
+    p.add_argument("--json", action="store_true", help="one JSON object: documents (trained spans) and summary")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    if args.rows < 0:
+        err(f"--rows must be >= 0, got {args.rows}", "pass --rows N with N >= 0")
+        return EXIT_USAGE
+    try:
+        defaults, _ = lock_layer(lambda _m: None)
+        cfg = resolve_config(args.config, list(args.overrides), defaults)
+        tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+        inspect(cfg, tokenizer, rows=args.rows, as_json=args.json, colour=sys.stdout.isatty() and not args.json)
+    except (ConfigError, DataError, ModelError) as exc:
+        err(str(exc).split("\n")[0], getattr(exc, "fix", ""))
+        return EXIT_USAGE
+    return 0
+
+
+def run_torchrun(argv: list[str], env: dict, output_dir: str) -> int:
+    """torchrun (`python -m torch.distributed.run`), called in this process. Calling it as
+    a library instead of exec'ing it keeps its behaviour (same agent, same signals) but
+    lets a worker failure end in one clear line rather than the agent's own traceback:
+    the failing worker has already printed its ERROR with a fix."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    start = argv.index("torch.distributed.run") + 1
+    os.environ.clear()
+    os.environ.update(env)  # workers inherit the agent's environment
+    try:
+        run(parse_args(argv[start:]))
+    except ChildFailedError as exc:
+        codes = {f.exitcode for f in exc.failures.values()}
+        if codes <= {143, -15}:   # the workers stopped on SIGTERM after checkpointing
+            log(f"[finetune] stopped by SIGTERM; checkpoint and run_report.json are in {output_dir}; rerun the "
+                "same command to resume")
+            return 143
+        ranks = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(exc.failures.items()))
+        err(f"training failed on {ranks}; the worker's ERROR line above says why",
+            f"see {output_dir}/run_report.json; fix the cause and rerun with the same output.dir to resume")
+        return 1
+    except SignalException as exc:
+        # torchrun forwarded the signal to the workers and waited for them to checkpoint
+        log(f"[finetune] stopped by signal {exc.sigval}; rerun the same command to resume from {output_dir}")
+        return 128 + int(exc.sigval)
+    return 0
