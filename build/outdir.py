@@ -62,6 +62,17 @@ def claim(path: Path, marker: str, *, what: str, option: str, force: bool = Fals
     return path
 
 
+def check_render_target(dest: Path, *, force: bool = False) -> None:
+    """Refuse a bad --render target before any work (downloads) is spent on rendering."""
+    dest = Path(dest)
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise UnsafeDirectory(f"render target {dest} is not a folder", "pass a new or empty folder to --render")
+    if dest.is_dir() and not _owned(dest, RENDER_MARKER) and not _empty(dest) and not force:
+        raise UnsafeDirectory(f"render target {dest} is a non-empty folder this tool did not create",
+                              "pass a new or empty folder to --render, or add --force to write the context files "
+                              "into it (nothing else there is deleted)")
+
+
 def publish_render(staging: Path, dest: Path, *, force: bool = False) -> None:
     """Move a fully rendered folder to `dest` under the rules above."""
     dest = Path(dest)

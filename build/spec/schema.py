@@ -17,7 +17,7 @@ from packaging.version import InvalidVersion, Version
 from contracts.schema import rule
 
 # Grammars. Anything that reaches a path, a tag or a Dockerfile line matches one of these.
-IMAGE_NAME = r"[a-z0-9]+(?:[._-][a-z0-9]+)*"                     # a Docker repository path component
+IMAGE_NAME = r"(?=.{1,128}\Z)[a-z0-9]+(?:[._-][a-z0-9]+)*"                     # a Docker repository path component
 KERNEL_NAME = r"[a-z0-9]+(?:[._-][a-z0-9]+)*"
 ARCH = r"sm_\d{2,3}"
 FILENAME = r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}"                  # one path component: no '/', no '..'
@@ -26,7 +26,7 @@ PY_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]{0,99}"
 PY_DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*(?::[A-Za-z_][A-Za-z0-9_.]*)?"
 USER_NAME = r"[a-z_][a-z0-9_-]{0,30}"
 DEB_PACKAGE = r"[a-z0-9][a-z0-9+.-]+"
-LABEL_KEY = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,126}[A-Za-z0-9])?"
+LABEL_KEY = r"(?=.{1,128}\Z)[a-z0-9]+(?:[.-][a-z0-9]+)*"   # Docker's label-key format: lowercase, no ".." or "--"
 # registry/host[:port]/path[:tag]; host may be localhost or contain dots
 IMAGE_REF = (r"(?:(?:[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)*|\[[0-9a-fA-F:]+\])(?::\d{1,5})?/)?"
              r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
@@ -315,12 +315,20 @@ class PythonSection:
     requirements: tuple[str, ...] = ()
 
 
+def _gid(value: int):
+    # 0 means "not set: use the uid"; anything else must avoid Debian's system groups (< 1000)
+    if value != 0 and not UID_RANGE[0] <= value <= UID_RANGE[1]:
+        return (f"gid {value} is outside {UID_RANGE[0]}..{UID_RANGE[1]} (Debian's system groups sit below "
+                f"{UID_RANGE[0]})", f"use a gid in {UID_RANGE[0]}..{UID_RANGE[1]}, or leave it out to use the uid")
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class RuntimeSection:
     user: str = field(metadata=rule(pattern=USER_NAME, pattern_fix="use lowercase letters, digits, '_' or '-'"))
     uid: int = field(metadata=rule(ge=UID_RANGE[0], le=UID_RANGE[1], fix=(
         f"use a fixed non-root uid in {UID_RANGE[0]}..{UID_RANGE[1]}, e.g. 10001")))
-    gid: int = field(default=0, metadata=rule(ge=0, le=UID_RANGE[1], fix=(
+    gid: int = field(default=0, metadata=rule(check=_gid, fix=(
         f"use a gid in {UID_RANGE[0]}..{UID_RANGE[1]}, or leave it out to use the uid")))
     attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = "sdpa"
 

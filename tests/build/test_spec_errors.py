@@ -66,10 +66,10 @@ BROKEN = {
     "root runtime user": (_image_edit(lambda d: d["runtime"].update(uid=0)), "runtime.uid", "root"),
     "unpinned python requirement": (
         _image_edit(lambda d: d["python"]["requirements"].append("accelerate>=1.0")),
-        "python.requirements[5]", "not pinned to one exact version"),
+        "python.requirements[6]", "not pinned to one exact version"),
     "torch in python requirements": (
         _image_edit(lambda d: d["python"]["requirements"].append("torch==2.14.1")),
-        "python.requirements[5]", "torch is set by the toolchain"),
+        "python.requirements[6]", "torch is set by the toolchain"),
     "GPU archs on a CPU toolchain": (
         _image_edit(lambda d: d.update(toolchain="cpu-torch2.13.0-py311", kernels=[],
                                        runtime={"user": "trainer", "uid": 10001})),
@@ -130,7 +130,7 @@ def test_all_problems_are_reported_together(ws, run_cli):
     code, _, err = run_cli(ws.plan("qwen27b"))
     assert code == 2
     assert "3 problem(s)" in err
-    for field in ("target_archs[0]", "runtime.uid", "python.requirements[5]"):
+    for field in ("target_archs[0]", "runtime.uid", "python.requirements[6]"):
         assert f": {field}: " in err
 
 
