@@ -176,7 +176,8 @@ def image(spec: ImageSpec, file: str, problems: Problems) -> None:
         where = f"labels.{key}"
         if not re.fullmatch(LABEL_KEY, key):
             problems.add(file, where, "not a valid label key",
-                         "use lowercase letters and digits separated by single '.' or '-' (reverse-DNS style, e.g. org.example.team), at most 128 characters",
+                         "use lowercase letters and digits separated by single '.' or '-' (reverse-DNS style, "
+                         "e.g. org.example.team), at most 128 characters",
                          "bad-label")
         elif key.startswith(RESERVED_LABEL_PREFIXES) or key in RESERVED_LABELS:
             problems.add(file, where, "the build sets this label itself (image provenance)",
