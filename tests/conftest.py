@@ -24,8 +24,8 @@ def docker_engine_available() -> bool:
 @pytest.fixture(scope="session")
 def engine():
     """The real Docker engine. Engine-tier tests FAIL (not skip) without one: CI starts dockerd."""
-    from build.engine import Engine
-    return Engine.connect()
+    from build.engine import connect
+    return connect()
 
 
 def run_build_cli(*args: str, env: dict[str, str] | None = None, timeout: int = 1800) -> subprocess.CompletedProcess:

@@ -11,6 +11,7 @@ from contracts.lock import LockError, load_lock, lock_path
 from families import DEFAULT_FAMILY, FamilyError, UnknownFamily, load_family
 from verify.context import Context
 from verify.report import CheckResult, Report, Status
+from verify.scratch import NoScratch, ensure_scratch
 
 # Order matters for reading the table: what is installed, whether the model fits what was
 # compiled, what transformers picked, whether the kernels compute the right thing, whether
@@ -69,6 +70,10 @@ def run_checks(checks: str | Sequence[str] | None = None, *, device: str = "auto
     only its own --allow-fallback / FTIMAGE_ALLOW_FALLBACK=1 may override that.
     """
     names = parse_checks(checks)
+    try:
+        ensure_scratch()
+    except NoScratch as exc:
+        return Report.of([CheckResult("environment.scratch", Status.FAIL, str(exc), exc.fix)])
     if param_dtype not in PARAM_DTYPES:
         raise UsageError(f"unknown param dtype {param_dtype!r}", f"use one of: {', '.join(PARAM_DTYPES)}")
     resolved = resolve_device(device)

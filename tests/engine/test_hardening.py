@@ -1,0 +1,79 @@
+"""Engine tier: the runtime image runs only its own code and resists a hostile mount, has
+no setuid programs or bundled pip wheels, and verify works on a read-only root."""
+from __future__ import annotations
+
+import docker
+import pytest
+
+pytestmark = pytest.mark.engine
+
+HIJACK = "HIJACKED-BY-WORKSPACE"
+
+
+@pytest.fixture
+def hostile_workspace(tmp_path):
+    """What a careless or hostile job mounts as its working directory: packages named like
+    the image's own, and a yaml.py, each announcing itself and exiting 0."""
+    ws = tmp_path / "workspace"
+    for pkg in ("verify", "entrypoint", "contracts", "families"):
+        (ws / pkg).mkdir(parents=True)
+        body = f"print('{HIJACK} {pkg}'); raise SystemExit(0)\n"
+        (ws / pkg / "__init__.py").write_text(body)
+        (ws / pkg / "__main__.py").write_text(body)
+    (ws / "yaml.py").write_text(f"print('{HIJACK} yaml'); raise SystemExit(0)\n")
+    (ws / "torch.py").write_text(f"print('{HIJACK} torch'); raise SystemExit(0)\n")
+    ws.chmod(0o755)
+    for p in ws.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    return ws
+
+
+def _run(image: str, command: list[str], **kw) -> tuple[int, str]:
+    client = docker.from_env(timeout=900)
+    container = client.containers.create(image, command, network_mode="none", detach=True, **kw)
+    try:
+        container.start()
+        code = container.wait(timeout=900)["StatusCode"]
+        return code, container.logs().decode(errors="replace")
+    finally:
+        container.remove(force=True)
+
+
+@pytest.mark.parametrize("command, expected_exit", [
+    (["verify", "--device", "cpu", "--checks", "environment,dispatch"], 2),   # fails closed on a CPU image
+    (["gate", "--", "sh", "-c", "echo user-command-$((6*7))"], 3),
+    (["/opt/ftimage/bin/ftimage-gate", "--", "sh", "-c", "echo user-command-$((6*7))"], 3),
+    (["finetune", "--config", "/workspace/missing.yaml"], 2),
+    (["info"], 0),
+])
+def test_image_code_runs_whatever_the_working_directory_holds(smoke_image, hostile_workspace, command,
+                                                               expected_exit):
+    code, out = _run(smoke_image, command, working_dir="/workspace",
+                     volumes={str(hostile_workspace): {"bind": "/workspace", "mode": "ro"}},
+                     environment={"PYTHONPATH": "/workspace"})
+    assert HIJACK not in out, out[-2000:]
+    assert code == expected_exit, out[-3000:]
+    assert "Traceback" not in out and "user-command-42" not in out
+
+
+def test_require_verify_gates_a_plain_command_in_the_image(smoke_image):
+    code, out = _run(smoke_image, ["sh", "-c", "echo user-command-$((6*7))"], environment={"FTIMAGE_REQUIRE_VERIFY": "1"})
+    assert code == 3 and "user-command-42" not in out and "RESULT: FAIL" in out, out[-3000:]
+    code, out = _run(smoke_image, ["sh", "-c", "echo user-command-$((6*7))"],
+                     environment={"FTIMAGE_REQUIRE_VERIFY": "1", "FTIMAGE_ALLOW_FALLBACK": "1"})
+    assert code == 0 and "user-command-42" in out and "override given (FTIMAGE_ALLOW_FALLBACK=1)" in out
+
+
+def test_no_setuid_programs_and_no_bundled_pip_wheels(smoke_image):
+    code, out = _run(smoke_image, ["sh", "-c", "find / -xdev -perm /6000 -type f 2>/dev/null; "
+                                               "ls /usr/share/python-wheels 2>/dev/null; echo END"], user="0")
+    assert code == 0 and out.strip() == "END", out
+
+
+def test_verify_on_a_read_only_root_with_no_tmpfs(smoke_image):
+    # arbitrary uid (OpenShift style), every capability dropped, nothing writable at all
+    code, out = _run(smoke_image, ["verify", "--device", "cpu", "--checks", "environment,dispatch,isolation"],
+                     read_only=True, user="12345:0", cap_drop=["ALL"], security_opt=["no-new-privileges"])
+    assert code == 2, out[-3000:]                       # the CPU image fails closed, as designed
+    assert "RESULT: FAIL" in out and "Traceback" not in out
+    assert "Read-only file system" not in out and "isolation.gdn" in out

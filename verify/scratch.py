@@ -1,0 +1,63 @@
+"""A writable place for verify's temp files and JIT caches, wherever the image runs.
+
+A hardened deployment may run the image with a read-only root and no tmpfs (`docker run
+--read-only`, Kubernetes readOnlyRootFilesystem) as an arbitrary uid whose HOME is not its
+own. Docker and Kubernetes still give every container a writable /dev/shm, so verify uses
+the first writable of TMPDIR, /tmp, /var/tmp and /dev/shm for its temp files, and points
+the JIT caches it may touch (Triton, TorchInductor, XDG) there when theirs are unwritable.
+Nothing here is left behind beyond the container's life: /dev/shm is memory.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+CANDIDATES = ("/tmp", "/var/tmp", "/dev/shm")
+CACHE_VARS = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor", "XDG_CACHE_HOME": "xdg",
+              "MPLCONFIGDIR": "matplotlib"}
+
+
+class NoScratch(Exception):
+    def __init__(self, tried: list[str]):
+        super().__init__(f"no writable temporary directory (tried {', '.join(tried)})")
+        self.fix = "mount a tmpfs at /tmp (docker run --tmpfs /tmp, or an emptyDir in Kubernetes), or set TMPDIR " \
+                   "to a writable path"
+
+
+def _writable(path: str) -> bool:
+    try:
+        probe = tempfile.mkdtemp(prefix=".ftimage-probe-", dir=path)
+    except OSError:
+        return False
+    os.rmdir(probe)
+    return True
+
+
+def _usable_dir(path: str | None) -> bool:
+    if not path:
+        return False
+    target = Path(path)
+    while not target.exists() and target != target.parent:
+        target = target.parent   # a cache dir that does not exist yet is fine if its parent is writable
+    return os.access(target, os.W_OK)
+
+
+def ensure_scratch(env: os._Environ | dict = os.environ) -> Path:
+    """Make TMPDIR and the JIT caches writable; returns the temp dir in use. Raises NoScratch."""
+    candidates = [env["TMPDIR"]] if env.get("TMPDIR") else []
+    candidates += [c for c in CANDIDATES if c not in candidates]
+    chosen = next((c for c in candidates if os.path.isdir(c) and _writable(c)), None)
+    if chosen is None:
+        raise NoScratch(candidates)
+    if env.get("TMPDIR") != chosen:
+        env["TMPDIR"] = chosen
+    tempfile.tempdir = None          # gettempdir() re-reads TMPDIR on its next call
+    base = Path(chosen) / f"ftimage-verify-{os.getuid()}"
+    for var, sub in CACHE_VARS.items():
+        default = str(Path.home() / ".triton" / "cache") if var == "TRITON_CACHE_DIR" else env.get(var)
+        if not _usable_dir(env.get(var) or default):
+            env[var] = str(base / sub)
+    if not _usable_dir(str(Path.home())):
+        env["HOME"] = str(base / "home")   # libraries that write under ~ (cache files) find a home
+    return Path(chosen)
