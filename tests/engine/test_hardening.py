@@ -57,7 +57,8 @@ def test_image_code_runs_whatever_the_working_directory_holds(smoke_image, hosti
 
 
 def test_require_verify_gates_a_plain_command_in_the_image(smoke_image):
-    code, out = _run(smoke_image, ["sh", "-c", "echo user-command-$((6*7))"], environment={"FTIMAGE_REQUIRE_VERIFY": "1"})
+    code, out = _run(smoke_image, ["sh", "-c", "echo user-command-$((6*7))"],
+                     environment={"FTIMAGE_REQUIRE_VERIFY": "1"})
     assert code == 3 and "user-command-42" not in out and "RESULT: FAIL" in out, out[-3000:]
     code, out = _run(smoke_image, ["sh", "-c", "echo user-command-$((6*7))"],
                      environment={"FTIMAGE_REQUIRE_VERIFY": "1", "FTIMAGE_ALLOW_FALLBACK": "1"})

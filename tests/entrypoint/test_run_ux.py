@@ -164,3 +164,16 @@ def test_file_with_no_usable_rows_is_one_clear_error(tokenizer, tmp_path, raw):
     with pytest.raises(DataError) as info:
         load_corpus(DataConfig(path=str(_rows(tmp_path, raw)), max_length=256), tokenizer)
     assert "no usable rows" in str(info.value) and info.value.fix
+
+
+@pytest.mark.parametrize("override, field", [
+    ("train.min_lr_ratio=-0.1", "train.min_lr_ratio"), ("train.lr=nan", "train.lr"), ("train.lr=-1e-5", "train.lr"),
+    ("train.lr=inf", "train.lr"), ("train.beta1=1.0", "train.beta1"), ("train.beta2=-0.1", "train.beta2"),
+    ("launch.master_port=-1", "launch.master_port"), ("launch.master_port=70000", "launch.master_port"),
+    ("launch.nproc_per_node=-1", "launch.nproc_per_node"), ("checkpoint.every=-1", "checkpoint.every"),
+    ("train.warmup_steps=-1", "train.warmup_steps"), ("train.loss_chunk_tokens=-1", "train.loss_chunk_tokens"),
+])
+def test_config_numbers_are_range_checked_with_a_fix(fixture_dir, override, field):
+    r = run_entrypoint(["finetune", "--config", str(fixture_dir.config), "--print-config", override])
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert field in r.stderr and "fix" in r.stderr and "Traceback" not in r.stderr
