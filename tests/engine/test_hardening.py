@@ -78,3 +78,10 @@ def test_verify_on_a_read_only_root_with_no_tmpfs(smoke_image):
     assert code == 2, out[-3000:]                       # the CPU image fails closed, as designed
     assert "RESULT: FAIL" in out and "Traceback" not in out
     assert "Read-only file system" not in out and "isolation.gdn" in out
+
+
+def test_the_image_ships_the_app_but_not_its_tests(smoke_image):
+    code, out = _run(smoke_image, ["sh", "-c", "ls /opt/ftimage/app; python -I -c 'import tests' 2>&1 | tail -1"])
+    assert code == 0, out
+    assert {"verify", "entrypoint", "contracts", "families"} <= set(out.split())
+    assert "tests" not in out.split() and "No module named 'tests'" in out
