@@ -114,6 +114,12 @@ def _cache(path: Path | None, *, force: bool = False, write: bool = True) -> Cac
 
 def _image(argv: list[str]) -> int:
     args = _image_parser().parse_args(argv)
+    from build.push import push_target_from_args
+
+    # a bad --push is exit 2 before any plan or build work
+    push_target = push_target_from_args(args.push, {"--plan": args.plan, "--render": args.render is not None,
+                                                    "--kernels-only": args.kernels_only,
+                                                    "--deploy-example": bool(args.deploy_example)})
     from build.resolve import load_plan
     from build.spec import MANIFEST_PATH
 
@@ -133,6 +139,8 @@ def _image(argv: list[str]) -> int:
         from build.deploy import render_example
         print(render_example(plan, out_dir, args.deploy_example), end="")
         return EXIT_OK
+    if args.render:
+        outdir.check_render_target(args.render, force=args.force)
     cache = _cache(args.cache, force=args.force)
     if args.render:
         from build.context.render import render_context
@@ -147,9 +155,9 @@ def _image(argv: list[str]) -> int:
     from build.pipeline import build_image
 
     report = build_image(plan, cache=cache, out_dir=out_dir, log=log, force=args.force)
-    if args.push:
+    if push_target is not None:
         from build.push import push_image
-        push_image(report, args.push, out_dir=out_dir, log=log)
+        push_image(report, push_target, out_dir=out_dir, log=log)
     print(report.to_json() if args.json else report.render(), end="\n")
     return EXIT_OK
 

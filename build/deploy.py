@@ -1,0 +1,119 @@
+"""`--deploy-example k8s|slurm`: the Kubernetes PyTorchJob and Slurm examples in deploy/,
+rendered for the image this build pushed and pinned by the digest build-report.json recorded.
+
+The report is a file on disk, so every value read from it is checked against the same grammars
+the push used (digest, repository) before it reaches a YAML document or a bash script; the
+templates only ever see values that cannot carry quotes, `$(`, spaces or newlines.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from build.errors import BuildFailure
+from build.push import DIGEST, REPORT_NAME, PushRecord, reference_problems
+from build.resolve import BuildPlan
+from contracts.schema import InvalidInput, Problem
+
+DEPLOY_DIR = Path(__file__).resolve().parent.parent / "deploy"
+TEMPLATES = {"k8s": "kubernetes/pytorchjob.yaml.j2", "slurm": "slurm/finetune.sbatch.j2"}
+DNS_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,38}[a-z0-9])?"   # short enough for "<job>-worker-<n>" pod names
+RECORD_FIELDS = ("repository", "tag", "digest", "reference")
+
+
+class PushRecordErrors(InvalidInput):
+    """A push record whose values do not pass the grammars (exit code 2): it was edited by hand
+    or by something else, and will not be rendered into a script."""
+    title = "the push record"
+
+
+@dataclass(frozen=True)
+class ExampleValues:
+    """Everything a deploy template sees, each value already checked."""
+    image: str            # REGISTRY/REPO@sha256:..., as Kubernetes and Docker write it
+    enroot_image: str     # REGISTRY#REPO@sha256:..., as enroot/pyxis write it (registry before '#')
+    image_name: str       # images/<name>
+    job_name: str         # a DNS label for the PyTorchJob and its pods
+    uid: int              # the image's fixed non-root user
+    gid: int
+
+
+def render_example(plan: BuildPlan, out_dir: Path, kind: str) -> str:
+    """The `kind` example (k8s or slurm) for the image pushed from out_dir's build."""
+    if kind not in TEMPLATES:
+        raise BuildFailure(f"no deploy example {kind!r}", f"use one of: {', '.join(TEMPLATES)}")
+    values = example_values(plan, read_push_record(Path(out_dir), plan))
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(DEPLOY_DIR), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True, autoescape=False)
+    return env.get_template(TEMPLATES[kind]).render(**vars(values))
+
+
+def example_values(plan: BuildPlan, record: PushRecord) -> ExampleValues:
+    registry, _, path = record.repository.partition("/")
+    job = "ftimage-" + re.sub(r"[^a-z0-9-]+", "-", plan.spec.name)[:30].strip("-")
+    if not re.fullmatch(DNS_LABEL, job):  # the image name grammar makes this unreachable; kept as a guard
+        raise BuildFailure(f"cannot derive a Kubernetes job name from {plan.spec.name!r}", "rename the image")
+    return ExampleValues(image=record.reference, enroot_image=f"{registry}#{path}@{record.digest}",
+                         image_name=plan.spec.name, job_name=job, uid=plan.spec.runtime.uid, gid=plan.spec.gid)
+
+
+def read_push_record(out_dir: Path, plan: BuildPlan) -> PushRecord:
+    """The `pushed` record of out_dir's build report, checked, for the image `plan` builds now."""
+    path = out_dir / REPORT_NAME
+    name = plan.spec.name
+    push_fix = f"--push REGISTRY/REPO first: python -m build images/{name} --push REGISTRY/REPO"
+    if not path.is_file():
+        raise BuildFailure(f"no build report at {path}: images/{name} was not built into {out_dir}",
+                           f"{push_fix} (or pass the --out the build used)")
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BuildFailure(f"{path} is not a readable build report: {exc}", push_fix) from None
+    if not isinstance(report, dict):
+        raise BuildFailure(f"{path} is not a build report (a JSON object)", push_fix)
+    pushed = report.get("pushed")
+    if not pushed:
+        raise BuildFailure(f"{path} has no push record: {str(report.get('tag', name))[:80]!r} was built but "
+                           "never pushed, so there is no digest to deploy", push_fix)
+    record = _checked_record(pushed, str(path))
+    built = report.get("tag")
+    if built != plan.tag:
+        raise BuildFailure(f"the push record in {path} is for {str(built)[:80]!r}, but images/{name} now builds "
+                           f"{plan.tag}: the pushed image is not the one this spec describes",
+                           f"build and push the current plan: python -m build images/{name} --push "
+                           f"{record.repository}")
+    return record
+
+
+def _checked_record(pushed: Any, file: str) -> PushRecord:
+    if not isinstance(pushed, dict):
+        raise PushRecordErrors([Problem(file, "pushed", "is not an object", "push again; the build writes it")])
+    problems: list[Problem] = []
+    fix = "push again (the build writes this record; do not edit it)"
+    for key in RECORD_FIELDS:
+        if not isinstance(pushed.get(key), str):
+            problems.append(Problem(file, f"pushed.{key}", "is missing or not a string", fix))
+    if problems:
+        raise PushRecordErrors(problems)
+    repository, digest = pushed["repository"], pushed["digest"]
+    problems += reference_problems(repository, file=file, field="pushed.repository")
+    if not re.fullmatch(DIGEST, digest):
+        problems.append(Problem(file, "pushed.digest", f"{digest[:90]!r} is not a sha256:<64 lowercase hex> digest",
+                                fix))
+    if problems:   # the reference and tag below are built from these two: checking them adds only noise
+        raise PushRecordErrors(problems)
+    if pushed["reference"] != f"{repository}@{digest}":
+        problems.append(Problem(file, "pushed.reference", f"{pushed['reference'][:120]!r} is not "
+                                "REPOSITORY@DIGEST of this record", fix))
+    tag_pattern = re.escape(repository) + r":[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
+    if not re.fullmatch(tag_pattern, pushed["tag"]):
+        problems.append(Problem(file, "pushed.tag", f"{pushed['tag'][:120]!r} is not REPOSITORY:TAG of this record",
+                                fix))
+    if problems:
+        raise PushRecordErrors(problems)
+    return PushRecord(**{key: pushed[key] for key in RECORD_FIELDS})

@@ -1,0 +1,307 @@
+"""--push reference checks, the push library against a scripted registry client, and
+--deploy-example rendering from a build report: all without an engine or a registry."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from build.errors import BuildFailure
+from build.pipeline import BuildReport
+from build.push import PushTarget, push_image
+from build.resolve import load_plan
+from build.spec import MANIFEST_PATH, REPO_ROOT
+from contracts.events import EventLog
+
+pytestmark = pytest.mark.unit
+
+SMOKE = str(REPO_ROOT / "images" / "smoke")
+GATE = "/opt/ftimage/bin/ftimage-gate"
+DIGEST = "sha256:" + "ab" * 32
+REPOSITORY = "registry.example.com:5000/team/smoke"
+
+
+@pytest.fixture(scope="module")
+def smoke_tag() -> str:
+    return load_plan(Path(SMOKE), MANIFEST_PATH).tag
+
+
+# ---- --push REGISTRY/REPO: refused before any build work ----------------------------------
+
+@pytest.mark.parametrize("value, field, words", [
+    ("http://registry.example.com/team/smoke", "registry", "URL scheme"),
+    ("https://registry.example.com/team/smoke", "registry", "URL scheme"),
+    ("registry.example.com/Team/Smoke", "repository", "uppercase"),
+    (f"registry.example.com/team/smoke:v1@{DIGEST}", "reference", "a tag AND a digest"),
+    (f"registry.example.com/team/smoke@{DIGEST}", "digest", "is a digest"),
+    ("registry.example.com/team/smoke:v1", "tag", "the build chooses the tag"),
+    ("", "reference", "is empty"),
+    ("registry.example.com//smoke", "repository", "empty part"),
+    ("registry.example.com/team/", "repository", "empty part"),
+    ("registry.example.com/team/$(id)", "reference", "characters no Docker reference holds"),
+    ("registry.example.com/team/smoke\n", "reference", "characters no Docker reference holds"),
+    ("team/smoke", "registry", "names no registry"),
+    ("registry.example.com:5000", "repository", "no repository"),
+    ("registry.example.com:70000/team/smoke", "registry", "out of range"),
+    ("registry.example.com/team-/smoke", "repository", "not a Docker repository path component"),
+])
+def test_bad_push_reference_is_exit_2_before_any_build_work(run_cli, value, field, words):
+    # the image folder does not exist: a spec error would come first if the plan were loaded first
+    code, out, err = run_cli(["images/no-such-image", "--push", value])
+    assert code == 2, err
+    assert err.startswith("error: the --push reference has"), err
+    assert f"--push: {field}: " in err and words in err, err
+    assert "fix: " in err and "Traceback" not in err and out == ""
+
+
+@pytest.mark.parametrize("value", ["127.0.0.1:5000/ftimage/smoke", "localhost/smoke", "docker.io/team/smoke",
+                                   "registry.example.com:5000/a/b/c", "[::1]:5000/team/smoke"])
+def test_good_push_reference_passes_the_check(run_cli, value):
+    code, _, err = run_cli(["images/no-such-image", "--push", value])
+    assert code == 2 and "--push" not in err and "images/no-such-image" in err, err  # the spec is next
+
+
+@pytest.mark.parametrize("mode", [["--plan"], ["--kernels-only"], ["--deploy-example", "k8s"]])
+def test_push_with_a_mode_that_builds_nothing_is_refused(run_cli, mode):
+    code, _, err = run_cli([SMOKE, "--push", REPOSITORY, *mode])
+    assert code == 2 and f"and {mode[0]} builds none" in err and "fix: " in err, err
+
+
+# ---- the push, against a scripted client ---------------------------------------------------
+
+class ScriptedRegistry:
+    """A RegistryClient that plays back a push stream, as dockerd would send it."""
+
+    def __init__(self, stream: list[dict], repo_digests: list[str] | None = None):
+        self.stream, self.digests = stream, repo_digests or []
+        self.calls: list[tuple] = []
+
+    def tag(self, image, repository, tag):
+        self.calls.append(("tag", image, f"{repository}:{tag}"))
+
+    def push(self, repository, tag):
+        self.calls.append(("push", f"{repository}:{tag}"))
+        yield from self.stream
+
+    def repo_digests(self, image):
+        return self.digests
+
+    def untag(self, reference):
+        self.calls.append(("untag", reference))
+
+
+def _report(tag: str = "smoke:0123456789ab") -> BuildReport:
+    return BuildReport(image="smoke", tag=tag, image_id="sha256:" + "cd" * 32)
+
+
+def _push(tmp_path, client, target=PushTarget("127.0.0.1:5000", "ftimage/smoke")):
+    report = _report()
+    record = push_image(report, target, out_dir=tmp_path, log=EventLog(quiet=True), client=client)
+    return report, record
+
+
+def test_push_records_the_digest_atomically(tmp_path):
+    client = ScriptedRegistry([
+        {"status": "The push refers to repository [127.0.0.1:5000/ftimage/smoke]"},
+        {"status": "Preparing", "progressDetail": {}, "id": "aaa"},
+        {"status": "Pushing", "progressDetail": {"current": 1 << 20, "total": 4 << 20}, "id": "aaa"},
+        {"status": "Pushed", "progressDetail": {}, "id": "aaa"},
+        {"status": "Layer already exists", "progressDetail": {}, "id": "bbb"},
+        {"status": f"0123456789ab: digest: {DIGEST} size: 1576"},
+        {"progressDetail": {}, "aux": {"Tag": "0123456789ab", "Digest": DIGEST, "Size": 1576}},
+    ])
+    report, record = _push(tmp_path, client)
+    assert record.reference == f"127.0.0.1:5000/ftimage/smoke@{DIGEST}"
+    saved = json.loads((tmp_path / "build-report.json").read_text())
+    assert saved["pushed"] == {"repository": "127.0.0.1:5000/ftimage/smoke", "digest": DIGEST,
+                               "tag": "127.0.0.1:5000/ftimage/smoke:0123456789ab", "reference": record.reference}
+    assert report.render().endswith(f"pushed {record.reference}")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    remote = "127.0.0.1:5000/ftimage/smoke:0123456789ab"
+    # the image is pushed under its own tag, and the extra local tag goes once the digest is known
+    assert client.calls == [("tag", report.image_id, remote), ("push", remote), ("untag", remote)]
+
+
+def test_digest_falls_back_to_repo_digests(tmp_path):
+    client = ScriptedRegistry([{"status": "Pushed", "id": "aaa"}],
+                              repo_digests=[f"other.example.com/x@sha256:{'00' * 32}",
+                                            f"127.0.0.1:5000/ftimage/smoke@{DIGEST}"])
+    _, record = _push(tmp_path, client)
+    assert record.digest == DIGEST
+
+
+def test_push_without_a_digest_is_a_failure(tmp_path):
+    with pytest.raises(BuildFailure, match="returned no sha256 digest"):
+        _push(tmp_path, ScriptedRegistry([{"status": "Pushed", "id": "aaa"}]))
+    assert not (tmp_path / "build-report.json").exists()
+
+
+@pytest.mark.parametrize("message, fix_words", [
+    ('Get "http://127.0.0.1:5000/v2/": dial tcp 127.0.0.1:5000: connect: connection refused',
+     "start the registry"),
+    ('Get "https://10.0.0.5:5000/v2/": http: server gave HTTP response to HTTPS client', "insecure-registries"),
+    ("unauthorized: authentication required", "docker login 127.0.0.1:5000"),
+    ("denied: requested access to the resource is denied", "docker login"),
+    ("name unknown: repository name not known to registry", "create it there"),
+    ("x509: certificate signed by unknown authority", "/etc/docker/certs.d/127.0.0.1:5000/ca.crt"),
+    ("something new and strange", "docker push"),
+])
+def test_push_errors_arrive_in_the_stream_and_name_the_registry(tmp_path, message, fix_words):
+    client = ScriptedRegistry([{"status": "Preparing", "id": "aaa"},
+                               {"errorDetail": {"message": message}, "error": message}])
+    with pytest.raises(BuildFailure) as raised:
+        _push(tmp_path, client)
+    assert str(raised.value).startswith("push to 127.0.0.1:5000 failed: ")
+    assert fix_words in raised.value.fix
+    assert client.calls[-1] == ("untag", "127.0.0.1:5000/ftimage/smoke:0123456789ab")
+    assert not (tmp_path / "build-report.json").exists()
+
+
+# ---- --deploy-example k8s|slurm ------------------------------------------------------------
+
+def _write_report(out: Path, tag: str, pushed: dict | None) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"image": "smoke", "tag": tag, "pushed": pushed or {}}
+    (out / "build-report.json").write_text(json.dumps(report))
+    return out
+
+
+def _pushed(**changes) -> dict:
+    record = {"repository": REPOSITORY, "tag": f"{REPOSITORY}:0123456789ab", "digest": DIGEST,
+              "reference": f"{REPOSITORY}@{DIGEST}"}
+    return {**record, **changes}
+
+
+@pytest.fixture
+def pushed_out(tmp_path, smoke_tag) -> Path:
+    return _write_report(tmp_path / "out", smoke_tag, _pushed())
+
+
+def _render(run_cli, out: Path, kind: str):
+    return run_cli([SMOKE, "--deploy-example", kind, "--out", str(out)])
+
+
+def test_k8s_example_pins_the_digest_and_hardens_the_pod(run_cli, pushed_out):
+    from contracts.finetune_config import FinetuneConfig
+    from entrypoint.launch import resolve_topology
+
+    code, out, err = _render(run_cli, pushed_out, "k8s")
+    assert code == 0, err
+    job = yaml.safe_load(out)
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    for role in ("Master", "Worker"):
+        pod = specs[role]["template"]["spec"]
+        container = pod["containers"][0]
+        assert container["name"] == "pytorch"
+        assert container["image"] == f"{REPOSITORY}@{DIGEST}"
+        # `command:` bypasses the ENTRYPOINT: finetune, which runs verify itself, is named explicitly
+        assert container["command"][:5] == ["/opt/ftimage/venv/bin/python", "-I", "-m", "entrypoint", "finetune"]
+        assert "args" not in container and "/bin/sh" not in out and "sh -c" not in out
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
+        assert container["securityContext"] == {"runAsNonRoot": True, "readOnlyRootFilesystem": True,
+                                                "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert {"/tmp", "/out", "/dev/shm"} <= mounts
+    # what the launcher makes of a pod's environment: one c10d rendezvous for all the pods
+    env = {e["name"]: e["value"] for e in specs["Worker"]["template"]["spec"]["containers"][0]["env"]}
+    nodes = specs["Master"]["replicas"] + specs["Worker"]["replicas"]
+    assert env["NNODES"] == str(nodes)
+    cfg = FinetuneConfig()
+    cfg.launch.nproc_per_node = 8
+    topo = resolve_topology(cfg, env)
+    assert (topo.nnodes, topo.rdzv, topo.rdzv_endpoint) == (nodes, "c10d", f"{job['metadata']['name']}-master-0:29400")
+
+
+def test_k8s_example_shows_a_user_trainer_behind_the_gate(run_cli, pushed_out):
+    code, out, _ = _render(run_cli, pushed_out, "k8s")
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("#   command: "))
+    block = []
+    for line in lines[start:]:
+        if not line.startswith("#   "):
+            break
+        block.append(line[4:])
+    command = yaml.safe_load("\n".join(block))["command"]
+    assert command[0] == GATE and "--" in command
+    assert command[command.index("--") + 1] == "/opt/ftimage/venv/bin/torchrun"
+
+
+def _run_sbatch(tmp_path: Path, script: str, **env) -> list[str]:
+    """Run the rendered script with srun and scontrol stubbed; return srun's argv."""
+    stubs = tmp_path / "stubs"
+    stubs.mkdir(parents=True)
+    (stubs / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$SRUN_ARGS"\n')
+    (stubs / "scontrol").write_text("#!/bin/bash\nprintf 'node-a\\nnode-b\\n'\n")
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    (tmp_path / "job.sbatch").write_text(script)
+    args = tmp_path / "srun-args"
+    run_env = {"PATH": f"{stubs}:{os.environ['PATH']}", "SRUN_ARGS": str(args), "SLURM_JOB_NODELIST": "node-[a-b]",
+               "SLURM_JOB_NAME": "ftimage-sft", "SLURM_NNODES": "2", "SLURM_JOB_ID": "42",
+               "OUT": str(tmp_path / "run"), "HOME": str(tmp_path), **env}
+    proc = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=run_env, capture_output=True, text=True,
+                          cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return args.read_text().splitlines()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_slurm_example_pins_the_digest_and_gates_a_user_trainer(run_cli, pushed_out, tmp_path):
+    code, script, err = _render(run_cli, pushed_out, "slurm")
+    assert code == 0, err
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    assert "bash -c" not in script and "sh -c" not in script
+    # pyxis/enroot spell the registry with '#'
+    image = f"--container-image=registry.example.com:5000#team/smoke@{DIGEST}"
+
+    finetune = _run_sbatch(tmp_path / "finetune", script)
+    assert image in finetune and "--no-container-remap-root" in finetune
+    command = finetune[finetune.index("--container-env=MASTER_ADDR,MASTER_PORT,HOME") + 1:]
+    assert command[:6] == ["/opt/ftimage/venv/bin/python", "-I", "-m", "entrypoint", "finetune", "--config"]
+
+    trainer = _run_sbatch(tmp_path / "trainer", script, TRAIN_SCRIPT=str(tmp_path / "train.py"))
+    command = trainer[trainer.index("--container-env=MASTER_ADDR,MASTER_PORT,HOME") + 1:]
+    assert command[:4] == [GATE, "--model", "/models/Qwen3.5-27B", "--"]
+    assert command[4] == "/opt/ftimage/venv/bin/torchrun" and command[-1] == "/code/train.py"
+    assert "--rdzv-endpoint=node-a:29400" in command and image in trainer
+
+
+def test_render_without_a_push_record_says_push_first(run_cli, tmp_path, smoke_tag):
+    out = _write_report(tmp_path / "out", smoke_tag, None)
+    code, stdout, err = _render(run_cli, out, "k8s")
+    assert code == 1 and stdout == ""
+    assert "has no push record" in err and "fix: --push REGISTRY/REPO first" in err, err
+
+
+def test_render_without_a_build_report_says_build_and_push(run_cli, tmp_path):
+    code, _, err = _render(run_cli, tmp_path / "empty", "slurm")
+    assert code == 1 and "no build report" in err and "--push REGISTRY/REPO" in err, err
+
+
+def test_render_for_a_stale_push_is_refused(run_cli, tmp_path):
+    out = _write_report(tmp_path / "out", "smoke:000000000000", _pushed())
+    code, _, err = _render(run_cli, out, "k8s")
+    assert code == 1 and "now builds" in err and f"--push {REPOSITORY}" in err, err
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"digest": DIGEST + "\nrm -rf /", "reference": f"{REPOSITORY}@{DIGEST}\nrm -rf /"}, "pushed.digest"),
+    ({"digest": "sha256:" + "AB" * 32}, "pushed.digest"),
+    ({"repository": "registry.example.com/team/$(id)"}, "pushed.repository"),
+    ({"repository": "registry.example.com/team/x\"; y"}, "pushed.repository"),
+    ({"reference": f"evil.example.com/x@{DIGEST}"}, "pushed.reference"),
+    ({"tag": "registry.example.com:5000/team/smoke:$(id)"}, "pushed.tag"),
+    ({"digest": 7}, "pushed.digest"),
+])
+def test_hostile_push_record_is_refused(run_cli, tmp_path, smoke_tag, changes, field):
+    out = _write_report(tmp_path / "out", smoke_tag, _pushed(**changes))
+    for kind in ("k8s", "slurm"):
+        code, stdout, err = _render(run_cli, out, kind)
+        assert code == 2 and stdout == "", err
+        assert err.startswith("error: the push record has") and f": {field}: " in err and "fix: " in err, err

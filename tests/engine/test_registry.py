@@ -1,0 +1,208 @@
+"""Engine tier: push the smoke image to a real registry (Debian's docker-registry, distribution
+2.8, run here on a free 127.0.0.1 port), pull it back by digest, render a deploy example for
+it, and see a push to a registry that is down fail with a clear error."""
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import docker
+import pytest
+import yaml
+
+from tests.conftest import run_build_cli
+
+pytestmark = pytest.mark.engine
+
+REGISTRY_BIN = Path("/usr/bin/docker-registry")
+LOCK_LABEL = "io.ftimage.lock.sha256"
+GATE = "/opt/ftimage/bin/ftimage-gate"
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class Registry:
+    """docker-registry as a child process with its own config and storage (no systemd)."""
+
+    def __init__(self, root: Path, host: str = "127.0.0.1"):
+        if not REGISTRY_BIN.exists():
+            pytest.fail(f"{REGISTRY_BIN} is missing: `apt-get install -y docker-registry` (./dev setup does it)")
+        self.address = f"{host}:{free_port(host)}"
+        root.mkdir(parents=True, exist_ok=True)
+        config = root / "config.yml"
+        config.write_text(yaml.safe_dump({
+            "version": 0.1, "log": {"level": "warn"},
+            "storage": {"filesystem": {"rootdirectory": str(root / "storage")}, "delete": {"enabled": True}},
+            "http": {"addr": self.address}}))
+        self.log = open(root / "registry.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([str(REGISTRY_BIN), "serve", str(config)], stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        self._wait_until_up(root)
+
+    def _wait_until_up(self, root: Path) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"docker-registry exited: {(root / 'registry.log').read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"http://{self.address}/v2/", timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.2)
+        self.stop()
+        pytest.fail(f"docker-registry did not answer on {self.address} within 30 s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    running = Registry(tmp_path_factory.mktemp("registry"))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def docker_api():
+    return docker.from_env(timeout=600).api
+
+
+@pytest.fixture(scope="module")
+def pushed(smoke_build, registry, docker_api, tmp_path_factory):
+    """`python -m build images/smoke --push 127.0.0.1:PORT/ftimage/smoke`, as a user runs it."""
+    out = tmp_path_factory.mktemp("pushed-out")
+    repository = f"{registry.address}/ftimage/smoke"
+    proc = run_build_cli("images/smoke", "--out", str(out), "--push", repository)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((out / "build-report.json").read_text())
+    yield {"proc": proc, "report": report, "out": out, "repository": repository}
+    for ref in (report["pushed"].get("reference", ""), f"{repository}:{report['tag'].rpartition(':')[2]}"):
+        try:
+            docker_api.remove_image(ref)
+        except docker.errors.APIError:
+            pass
+
+
+def test_push_prints_and_records_the_digest(pushed, smoke_build):
+    record = pushed["report"]["pushed"]
+    assert record["repository"] == pushed["repository"]
+    assert record["digest"].startswith("sha256:") and len(record["digest"]) == 71
+    assert record["reference"] == f"{pushed['repository']}@{record['digest']}"
+    assert record["tag"] == f"{pushed['repository']}:{smoke_build['tag'].rpartition(':')[2]}"
+    assert f"pushed {record['reference']}" in pushed["proc"].stdout
+    assert "[     push]" in pushed["proc"].stderr   # progress came from the push stream
+
+
+def test_pull_by_digest_gives_back_the_same_lock(pushed, docker_api, smoke_build):
+    record = pushed["report"]["pushed"]
+    # the push leaves no REGISTRY/REPO tag behind, so this pull can only come from the registry
+    assert not docker_api.images(name=record["tag"])
+    clean = f"ftimage-registry-test/smoke:{record['digest'][7:19]}"
+    try:
+        for _ in docker_api.pull(record["reference"], stream=True, decode=True):
+            pass
+        docker_api.tag(record["reference"], *clean.split(":"))
+        labels = docker_api.inspect_image(clean)["Config"]["Labels"]
+        assert labels[LOCK_LABEL] == smoke_build["report"]["lock_sha256"]
+        assert record["reference"] in docker_api.inspect_image(clean)["RepoDigests"]
+    finally:
+        try:
+            docker_api.remove_image(clean)
+        except docker.errors.APIError:
+            pass
+
+
+def test_deploy_example_pins_the_pushed_digest(pushed):
+    proc = run_build_cli("images/smoke", "--deploy-example", "k8s", "--out", str(pushed["out"]))
+    assert proc.returncode == 0, proc.stderr
+    job = yaml.safe_load(proc.stdout)
+    container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    assert container["image"] == pushed["report"]["pushed"]["reference"]
+
+
+def test_gate_runs_under_the_k8s_security_context(pushed, engine, smoke_image):
+    """What the rendered pod runs, with its restrictions: read-only root, /tmp a volume, no
+    capabilities, no privilege escalation. The smoke image has no fused kernels, so the gate
+    refuses (exit 3) unless the override is given."""
+    client = docker.from_env(timeout=600)
+    settings = dict(entrypoint=[GATE], read_only=True, tmpfs={"/tmp": ""}, environment={"HOME": "/tmp"},
+                    cap_drop=["ALL"], security_opt=["no-new-privileges"], network_mode="none", user="10001")
+    refused = client.containers.run(smoke_image, ["--", "id", "-u"], detach=True, **settings)
+    try:
+        assert refused.wait(timeout=300)["StatusCode"] == 3
+        assert "verify did not pass" in refused.logs().decode()
+    finally:
+        refused.remove(force=True)
+    settings["environment"]["FTIMAGE_ALLOW_FALLBACK"] = "1"
+    allowed = client.containers.run(smoke_image, ["--", "id", "-u"], detach=True, **settings)
+    try:
+        assert allowed.wait(timeout=300)["StatusCode"] == 0
+        assert allowed.logs(stderr=False).decode().strip() == "10001"
+    finally:
+        allowed.remove(force=True)
+
+
+def bridge_gateway(docker_api) -> str | None:
+    """The host's address on dockerd's default bridge (docker0): reachable by dockerd, not loopback."""
+    for config in docker_api.inspect_network("bridge")["IPAM"]["Config"] or []:
+        try:
+            network = ipaddress.ip_network(config.get("Subnet", ""))
+        except ValueError:
+            continue
+        address = config.get("Gateway") or (str(network[1]) if network.version == 4 else "")
+        if not address:
+            continue
+        try:
+            with socket.socket() as sock:
+                sock.bind((address, 0))
+            return address
+        except OSError:
+            continue
+    return None
+
+
+def test_plain_http_registry_off_loopback_names_insecure_registries(smoke_build, docker_api, tmp_path):
+    """dockerd talks HTTPS to any registry outside 127.0.0.0/8: the error says what to configure."""
+    gateway = bridge_gateway(docker_api)
+    if gateway is None:
+        pytest.skip("no IPv4 address of dockerd's default bridge to serve a non-loopback registry on")
+    off_loopback = Registry(tmp_path / "registry", host=gateway)
+    try:
+        proc = run_build_cli("images/smoke", "--out", str(tmp_path / "out"), "--push",
+                             f"{off_loopback.address}/ftimage/smoke")
+    finally:
+        off_loopback.stop()
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"error: push to {off_loopback.address} failed: " in proc.stderr
+    assert "insecure-registries" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_push_to_a_stopped_registry_fails_clearly(pushed, registry, tmp_path):
+    """Last in this module: it stops the module's registry."""
+    registry.stop()
+    proc = run_build_cli("images/smoke", "--out", str(tmp_path / "out"), "--push", pushed["repository"])
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"error: push to {registry.address} failed: " in proc.stderr
+    assert "connection refused" in proc.stderr and "fix: nothing answers at" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    report = json.loads((tmp_path / "out" / "build-report.json").read_text())
+    assert not report["pushed"]
