@@ -176,3 +176,22 @@ def test_finetune_defaults_are_validated_with_the_entrypoint_schema(ws, run_cli)
     assert "finetune.yaml: packing.mode: " in err
     assert "finetune.yaml: trian: " in err and "did you mean `train`" in err
     assert "image.yaml: finetune" not in err
+
+
+def test_one_cause_one_error_no_follow_ons(ws, run_cli):
+    manifest = ws.load_manifest()
+    manifest["kernels"]["causal-conv1d"]["source"]["sdist"]["sha256"] = "abc123"
+    ws.save_manifest(manifest)
+    code, _, err = run_cli(ws.plan("qwen27b"))
+    assert code == 2 and "1 problem(s)" in err and "sdist.sha256" in err
+    assert "unknown kernel" not in err
+    ws.manifest.unlink()
+    code, _, err = run_cli(ws.plan("qwen27b"))
+    assert code == 2 and "kernels manifest not found" in err and "(none)" not in err and "1 problem(s)" in err
+
+
+def test_image_yaml_keys_get_did_you_mean(ws, run_cli):
+    text = (ws.image("smoke") / "image.yaml").read_text().replace("toolchain:", "toolchan:")
+    (ws.image("smoke") / "image.yaml").write_text(text)
+    code, _, err = run_cli(ws.plan("smoke"))
+    assert code == 2 and "toolchan: unknown field" in err and "did you mean `toolchain`?" in err
