@@ -85,3 +85,11 @@ def test_the_image_ships_the_app_but_not_its_tests(smoke_image):
     assert code == 0, out
     assert {"verify", "entrypoint", "contracts", "families"} <= set(out.split())
     assert "tests" not in out.split() and "No module named 'tests'" in out
+
+
+def test_the_rendered_context_holds_no_test_module(smoke_build):
+    context = smoke_build["out"] / "context"
+    assert (context / "Dockerfile").is_file()
+    names = [p.relative_to(context).as_posix() for p in context.rglob("*")]
+    assert not [n for n in names if n.startswith("tests/") or "/tests/" in n or n.rsplit("/", 1)[-1].startswith("test_")
+                or n.endswith("conftest.py")], names
