@@ -23,6 +23,7 @@ CONTEXT_LABEL = "io.ftimage.context.sha256"
 LOCK_LABEL = "io.ftimage.lock.sha256"
 BASE_ID_LABEL = "io.ftimage.base.id"
 IMAGE_LABEL = "io.ftimage.image"
+STAGE_LABEL = "io.ftimage.stage"
 
 
 @dataclass
@@ -131,16 +132,28 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
 
 
 def prune_superseded(engine: Engine, plan: BuildPlan, keep_id: str, log: EventLog) -> list[str]:
-    """Remove older images of this image name (other plan keys): they fill the disk the next
-    build needs. An image still used by a container is kept."""
+    """Remove what this image's earlier builds left: older images of this name (other plan
+    keys, or the same tag rebuilt, which leaves the old one untagged) and older builder
+    stages (multi-GB intermediates a multi-stage build leaves untagged). They fill the disk
+    the next build needs. The newest builder stage stays as the next build's layer cache.
+    An image still used by a container is kept."""
     pruned = []
     for image in engine.images_with_label(f"{IMAGE_LABEL}={plan.spec.name}"):
         if image.get("Id") == keep_id:
             continue
-        for tag in image.get("RepoTags") or [image["Id"]]:
+        labels = image.get("Labels") or {}
+        if labels.get(STAGE_LABEL) == "builder":
+            continue   # handled below
+        tags = [t for t in image.get("RepoTags") or [] if t != "<none>:<none>"]
+        for tag in tags or [image["Id"]]:
             if tag.startswith(f"{plan.spec.name}:") or tag == image["Id"]:
-                engine.remove(tag)
-                pruned.append(tag)
+                if engine.remove(tag):
+                    pruned.append(tag)
+    stages = engine.images_with_label(f"{STAGE_LABEL}=builder")   # newest first
+    mine = [i for i in stages if (i.get("Labels") or {}).get(IMAGE_LABEL) == plan.spec.name]
+    for image in mine[1:]:
+        if engine.remove(image["Id"]):
+            pruned.append(f"{plan.spec.name} builder stage {image['Id'][7:19]}")
     if pruned:
         log.emit("prune", f"removed superseded images: {', '.join(pruned)}")
     return pruned

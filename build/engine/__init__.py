@@ -32,7 +32,8 @@ class Engine(Protocol):
 
     def tag(self, image_id: str, ref: str) -> None: ...
 
-    def remove(self, ref: str) -> None: ...
+    def remove(self, ref: str) -> bool:
+        """Remove an image; False when it is not there or still in use (then it is kept)."""
 
     def import_rootfs(self, tarball: Path, ref: str, changes: list[str]) -> str: ...
 

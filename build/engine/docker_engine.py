@@ -55,15 +55,16 @@ class DockerEngine:
         repo, _, tag = ref.rpartition(":")
         self._call("tag", lambda: self.client.api.tag(image_id, repo, tag, force=True))
 
-    def remove(self, ref: str) -> None:
+    def remove(self, ref: str) -> bool:
         try:
             self.client.api.remove_image(ref, force=True)
         except docker.errors.ImageNotFound:
-            pass
+            return False
         except docker.errors.APIError as exc:
             if exc.status_code == 409:  # still used by a container or child image: keep it
-                return
+                return False
             raise self._failure("remove", exc) from None
+        return True
 
     def import_rootfs(self, tarball: Path, ref: str, changes: list[str]) -> str:
         repo, _, tag = ref.rpartition(":")

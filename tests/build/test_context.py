@@ -54,12 +54,15 @@ def test_gpu_runtime_keeps_compiler_with_reason_cpu_runtime_does_not():
     cpu = render_dockerfile(load_plan(REPO_ROOT / "images" / "smoke"), BASES, 0)
     assert "Triton JIT-compiles" in gpu and "Python.h" in gpu
     assert "no compiler, no pip" in cpu
-    for text in (gpu, cpu):
+    for plan_name, text in (("qwen27b", gpu), ("smoke", cpu)):
         assert "--no-index" in text and "--require-hashes" in text
         assert "USER 10001:10001" in text
         # isolated mode: the working directory and PYTHONPATH cannot shadow the image's code
         assert 'ENTRYPOINT ["/opt/ftimage/venv/bin/python", "-I", "-m", "entrypoint"]' in text
-        assert "LABEL " not in text  # labels go to the engine as data, never as Dockerfile text
+        # labels go to the engine as data, never as Dockerfile text; the one LABEL line is the
+        # builder stage's constant marker (for pruning superseded stages)
+        label_lines = [line for line in text.splitlines() if line.startswith("LABEL ")]
+        assert label_lines == [f'LABEL io.ftimage.stage="builder" io.ftimage.image="{plan_name}"']
 
 
 def _fake_wheels(cache: CacheLayout) -> tuple[Wheel, ...]:

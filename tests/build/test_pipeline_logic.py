@@ -83,6 +83,27 @@ def test_a_changed_context_rebuilds_and_prunes_the_superseded_image(smoke, monke
     assert "smoke:000000000000" in report.pruned and "smoke:000000000000" not in engine.images
 
 
+def test_prune_removes_untagged_rebuilds_and_older_builder_stages(smoke):
+    plan, cache, out = smoke
+    engine = engine_with_bases(plan)
+    name = plan.spec.name
+    # a same-tag rebuild leaves the old image untagged; multi-stage builds leave builder stages
+    engine.images["old-untagged"] = {"Id": "sha256:" + "1" * 64, "RepoTags": ["<none>:<none>"], "Created": 1,
+                                     "Config": {"Labels": {pipeline.IMAGE_LABEL: name}}}
+    for n, created in ((2, 2), (3, 3)):
+        engine.images[f"stage-{n}"] = {"Id": "sha256:" + str(n) * 64, "RepoTags": ["<none>:<none>"],
+                                       "Created": created, "Config": {"Labels": {
+                                           pipeline.IMAGE_LABEL: name, pipeline.STAGE_LABEL: "builder"}}}
+    engine.images["other-image-stage"] = {"Id": "sha256:" + "4" * 64, "RepoTags": ["<none>:<none>"], "Created": 0,
+                                          "Config": {"Labels": {pipeline.IMAGE_LABEL: "other",
+                                                                pipeline.STAGE_LABEL: "builder"}}}
+    report = pipeline.build_image(plan, cache=cache, out_dir=out, log=QUIET, engine=engine)
+    assert "old-untagged" not in engine.images and "stage-2" not in engine.images
+    assert "stage-3" in engine.images              # the newest builder stage: the next build's cache
+    assert "other-image-stage" in engine.images    # another image's: not ours to prune
+    assert plan.tag in engine.images and any("builder stage" in p for p in report.pruned)
+
+
 def fake_compile(calls):
     def compile_kernel(kernel, plan, *, cache, engine, log, builder_base, store):
         calls.append(kernel.name)

@@ -28,9 +28,15 @@ class FakeEngine:
         found = next(i for i in self.images.values() if i["Id"] == image_id)
         self.images[ref] = found
 
-    def remove(self, ref: str) -> None:
+    def remove(self, ref: str) -> bool:
         self.calls.append(("remove", ref))
-        self.images.pop(ref, None)
+        if ref in self.images:
+            del self.images[ref]
+            return True
+        by_id = [k for k, i in self.images.items() if i["Id"] == ref]
+        for key in by_id:
+            del self.images[key]
+        return bool(by_id)
 
     def import_rootfs(self, tarball: Path, ref: str, changes: list[str]) -> str:
         self.calls.append(("import", ref))
@@ -62,9 +68,10 @@ class FakeEngine:
 
     def images_with_label(self, label: str) -> list[dict[str, Any]]:
         key, _, value = label.partition("=")
-        found = {i["Id"]: i for i in self.images.values()
+        found = {i["Id"]: {**i, "Labels": i["Config"]["Labels"]} for i in self.images.values()
                  if key in i["Config"]["Labels"] and (not value or i["Config"]["Labels"][key] == value)}
-        return list(found.values())
+        # like the engine's image list: labels at the top level, newest first
+        return sorted(found.values(), key=lambda i: i.get("Created", 0), reverse=True)
 
     def count(self, kind: str) -> int:
         return sum(1 for c in self.calls if c[0] == kind)
