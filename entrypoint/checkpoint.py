@@ -51,15 +51,27 @@ class DiskFull(CheckpointError):
 
 
 def disk_full(path: Path, needed_bytes: int) -> DiskFull:
-    import shutil as _shutil
-
     try:
-        free = _shutil.disk_usage(path if path.exists() else path.parent).free
+        free = shutil.disk_usage(path if path.exists() else path.parent).free
     except OSError:
         free = 0
     return DiskFull(f"no space left on the device while writing {path}: it needs about "
                     f"{needed_bytes / 2 ** 30:.1f} GiB, {free / 2 ** 30:.1f} GiB are free",
                     "free space on that volume, lower checkpoint.keep, or point output.dir at a larger volume")
+
+
+def ran_out_of_space(exc: BaseException, path: Path, needed_bytes: int) -> bool:
+    """Whether a failed write was a full disk. ENOSPC is not always what surfaces: torch's zip
+    writer reports a short write as "unexpected pos N vs M", and dcp wraps each rank's error
+    in its own exception. So the volume itself is asked too: less free space than the write
+    needed means it was full."""
+    if getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc):
+        return True
+    try:
+        free = shutil.disk_usage(path if path.exists() else path.parent).free
+    except OSError:
+        return False
+    return free < needed_bytes
 
 
 def files_manifest(path: Path) -> dict[str, int]:
@@ -168,11 +180,10 @@ class Checkpointer:
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
             torch.save(rng_state(), tmp / f"rng-rank{self.rank}.pt")
         except (OSError, RuntimeError, CheckpointException) as exc:
-            # dcp wraps each rank's failure in CheckpointException (a BaseException) whose text
-            # carries the OSError; torch.save on a full disk can also surface as a RuntimeError
-            if "No space left" in str(exc) or getattr(exc, "errno", None) == errno.ENOSPC:
+            needed = _state_bytes(model_sd, optim_sd) * self.world_size
+            if ran_out_of_space(exc, tmp, needed):
                 shutil.rmtree(tmp, ignore_errors=True)   # give the space back; resume never sees a partial step
-                raise disk_full(tmp, _state_bytes(model_sd, optim_sd) * self.world_size) from None
+                raise disk_full(tmp, needed) from None
             raise
         dist.barrier()
         if self.rank == 0:
@@ -237,9 +248,10 @@ def export_hf(model, hf_config, tokenizer, out_dir: Path, *, dtype: torch.dtype,
         hf_config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         _fsync_tree(tmp)
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:
+        full = ran_out_of_space(exc, tmp, _state_bytes(state))
         shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno == errno.ENOSPC:
+        if full:
             raise disk_full(out_dir, _state_bytes(state)) from None
         raise
     if out_dir.exists():

@@ -65,3 +65,18 @@ def test_chunked_loss_equals_unchunked_in_value_and_gradient():
     torch.testing.assert_close(chunked, full, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(g_chunked, g_full, rtol=0, atol=0)
     assert full.dtype == torch.float32
+
+
+def test_a_short_write_on_a_full_volume_counts_as_a_full_disk(tmp_path, monkeypatch):
+    # torch's zip writer reports a full disk as a position mismatch, not ENOSPC
+    from collections import namedtuple
+
+    from entrypoint.checkpoint import ran_out_of_space
+
+    short_write = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr("entrypoint.checkpoint.shutil.disk_usage", lambda _p: usage(3 << 20, 3 << 20, 4096))
+    assert ran_out_of_space(short_write, tmp_path, needed_bytes=1 << 20)
+    monkeypatch.setattr("entrypoint.checkpoint.shutil.disk_usage", lambda _p: usage(1 << 40, 0, 1 << 40))
+    assert not ran_out_of_space(short_write, tmp_path, needed_bytes=1 << 20)
+    assert ran_out_of_space(OSError(28, "No space left on device"), tmp_path, needed_bytes=1 << 20)
