@@ -13,6 +13,7 @@ from build import outdir
 from build.bootstrap import ensure_base
 from build.cache import CacheLayout
 from build.context.render import render_context
+from build.diskspace import make_room
 from build.engine import Engine, connect
 from build.resolve import BuildPlan
 from build.wheelhouse import fill_wheelhouse
@@ -116,6 +117,10 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
             report.image_id, report.size_bytes = existing["Id"], int(existing.get("Size", 0))
         else:
             report.cache["image"] = "miss"
+            # superseded images go first: their space is what this build needs
+            report.pruned += prune_superseded(engine, plan, (existing or {}).get("Id", ""), log)
+            report.pruned += make_room(engine, image=plan.tag, wheel_bytes=wheelhouse_bytes(context.directory),
+                                       free_layer_cache=lambda: prune_builder_stages(engine, plan, keep=0), log=log)
             built = engine.build(context.directory, plan.tag, log=log, labels={
                 **context.labels, CONTEXT_LABEL: context.digest, LOCK_LABEL: report.lock_sha256,
                 BASE_ID_LABEL: bases["runtime"].id, IMAGE_LABEL: plan.spec.name})
@@ -124,7 +129,7 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
     with timer("check"):
         kernel_stage.check_image(plan, engine=engine, image=plan.tag, log=log)
     with timer("prune"):
-        report.pruned = prune_superseded(engine, plan, report.image_id, log)
+        report.pruned += prune_superseded(engine, plan, report.image_id, log)
     report.phase_seconds = {k: round(v, 2) for k, v in timer.seconds.items()}
     report.total_seconds = round(time.monotonic() - started, 2)
     atomic.write_text(out_dir / "build-report.json", report.to_json())
@@ -149,11 +154,19 @@ def prune_superseded(engine: Engine, plan: BuildPlan, keep_id: str, log: EventLo
             if tag.startswith(f"{plan.spec.name}:") or tag == image["Id"]:
                 if engine.remove(tag):
                     pruned.append(tag)
-    stages = engine.images_with_label(f"{STAGE_LABEL}=builder")   # newest first
-    mine = [i for i in stages if (i.get("Labels") or {}).get(IMAGE_LABEL) == plan.spec.name]
-    for image in mine[1:]:
-        if engine.remove(image["Id"]):
-            pruned.append(f"{plan.spec.name} builder stage {image['Id'][7:19]}")
+    pruned += prune_builder_stages(engine, plan, keep=1)
     if pruned:
         log.emit("prune", f"removed superseded images: {', '.join(pruned)}")
     return pruned
+
+
+def prune_builder_stages(engine: Engine, plan: BuildPlan, *, keep: int) -> list[str]:
+    """This image's builder stages but the newest `keep` (the layer cache of the next build)."""
+    stages = engine.images_with_label(f"{STAGE_LABEL}=builder")   # newest first
+    mine = [i for i in stages if (i.get("Labels") or {}).get(IMAGE_LABEL) == plan.spec.name]
+    return [f"{plan.spec.name} builder stage {image['Id'][7:19]}"
+            for image in mine[keep:] if engine.remove(image["Id"])]
+
+
+def wheelhouse_bytes(context_dir: Path) -> int:
+    return sum(p.stat().st_size for p in (context_dir / "wheelhouse").glob("*.whl"))

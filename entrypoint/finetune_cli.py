@@ -113,8 +113,11 @@ def run_torchrun(argv: list[str], env: dict, output_dir: str) -> int:
     from torch.distributed.run import parse_args, run
 
     start = argv.index("torch.distributed.run") + 1
+    from entrypoint.train import LAUNCHER_PID_ENV
+
     os.environ.clear()
     os.environ.update(env)  # workers inherit the agent's environment
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())   # the agent runs here: the workers' parent
     try:
         run(parse_args(argv[start:]))
     except ChildFailedError as exc:

@@ -62,6 +62,9 @@ class StopRequest:
         return self.requested
 
 
+LAUNCHER_PID_ENV = "FTIMAGE_LAUNCHER_PID"   # set by `finetune`, whose process runs the torchrun agent
+
+
 def die_with_launcher() -> None:
     """If the launcher dies (even by SIGKILL), this worker gets SIGTERM: it checkpoints at the
     next step boundary and exits, instead of living on as an orphan on the host."""
@@ -69,10 +72,13 @@ def die_with_launcher() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:   # the launcher died before we could ask
-            os.kill(os.getpid(), signal.SIGTERM)
     except (OSError, AttributeError):
-        pass
+        return
+    # The launcher may have died before the prctl took hold. Its PID tells: in a container the
+    # launcher is PID 1 itself, so "reparented to PID 1" alone would stop every healthy run.
+    launcher = os.environ.get(LAUNCHER_PID_ENV, "")
+    if launcher.isdigit() and os.getppid() != int(launcher):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def run(plan: RunPlan, stop: StopRequest) -> dict:

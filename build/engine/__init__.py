@@ -56,6 +56,10 @@ class Engine(Protocol):
     def images_with_label(self, label: str) -> list[dict[str, Any]]:
         """Images carrying `label` (key or key=value), newest first."""
 
+    def disk_space(self) -> tuple[str, int] | None:
+        """(data-root, free bytes) of the disk the engine keeps images on, or None when that
+        disk is not on this host."""
+
 
 def connect() -> Engine:
     from build.engine.docker_engine import DockerEngine

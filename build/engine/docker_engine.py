@@ -6,6 +6,7 @@ Dockerfiles use no `RUN --mount` and every RUN step runs with networking disable
 from __future__ import annotations
 
 import re
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ import docker
 import docker.errors
 import requests.exceptions
 
+from build.diskspace import DISK_FIX
 from build.engine import BuiltImage, RunResult
 from build.errors import BuildFailure
 from contracts.events import EventLog, Progress
@@ -82,6 +84,16 @@ class DockerEngine:
         images = self._call("list", lambda: self.client.api.images(filters={"label": label}))
         return sorted(images, key=lambda i: i.get("Created", 0), reverse=True)
 
+    def disk_space(self) -> tuple[str, int] | None:
+        # only a local engine (the SDK's unix-socket URL) keeps its data-root on this host
+        if not self.client.api.base_url.startswith("http+docker://"):
+            return None
+        root = self._call("info", self.client.info).get("DockerRootDir")
+        try:
+            return (root, shutil.disk_usage(root).free) if root else None
+        except OSError:
+            return None
+
     # -- build ----------------------------------------------------------------------
 
     def build(self, context: Path, tag: str, labels: dict[str, str], log: EventLog, *,
@@ -115,6 +127,11 @@ class DockerEngine:
             raise self._failure("build", exc) from None
         if current is not None:
             steps.append((current, time.monotonic() - started))
+        if error and "no space left on device" in (error + "\n".join(tail)).lower():
+            root, free = self.disk_space() or ("Docker's data-root", 0)
+            raise BuildFailure(f"the Docker engine's disk filled up while building {tag} at "
+                               f"`{(current or '?')[:120]}`: {free / 2 ** 30:.1f} GiB free now at {root}",
+                               DISK_FIX.format(root=root) + "; then rerun: finished steps are reused")
         if error or image_id is None:
             detail = "\n".join(tail[-25:])
             raise BuildFailure(f"image build failed at `{(current or '?')[:120]}`: {error or 'no image produced'}"

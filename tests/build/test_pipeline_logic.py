@@ -3,6 +3,7 @@ dockerd): the real engine is covered by the engine tier."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import time
 
@@ -13,6 +14,7 @@ from build import pipeline
 from build.bootstrap import SPEC_LABEL, base_tag
 from build.cache import CacheLayout
 from build.engine import RunResult
+from build.errors import BuildFailure
 from build.kernels.store import KernelStore
 from build.resolve import digest, load_plan
 from build.spec import REPO_ROOT
@@ -102,6 +104,46 @@ def test_prune_removes_untagged_rebuilds_and_older_builder_stages(smoke):
     assert "stage-3" in engine.images              # the newest builder stage: the next build's cache
     assert "other-image-stage" in engine.images    # another image's: not ours to prune
     assert plan.tag in engine.images and any("builder stage" in p for p in report.pruned)
+
+
+def _builder_stage(engine, plan, n):
+    engine.images[f"stage-{n}"] = {"Id": "sha256:" + str(n) * 64, "RepoTags": ["<none>:<none>"], "Created": n,
+                                   "Config": {"Labels": {pipeline.IMAGE_LABEL: plan.spec.name,
+                                                         pipeline.STAGE_LABEL: "builder"}}}
+
+
+def test_a_disk_too_small_for_the_image_fails_before_building(smoke):
+    plan, cache, out = smoke
+    engine = engine_with_bases(plan)
+    _builder_stage(engine, plan, 3)
+    engine.free_bytes = 10     # the stand-in wheelhouse is 17 bytes: the image alone needs ~34
+    with pytest.raises(BuildFailure) as failure:
+        pipeline.build_image(plan, cache=cache, out_dir=out, log=QUIET, engine=engine)
+    message = failure.value.render()
+    assert "not enough disk" in message and "/var/lib/docker" in message and "docker image prune" in message
+    assert engine.count("build") == 0
+    assert "stage-3" not in engine.images      # its layer cache went first, to make room
+
+
+def test_a_tight_disk_drops_the_layer_cache_and_builds_with_a_warning(smoke):
+    plan, cache, out = smoke
+    engine = engine_with_bases(plan)
+    _builder_stage(engine, plan, 3)
+    engine.free_bytes = 50     # above the image (~34) but under the build's peak (~102)
+    stream = io.StringIO()
+    report = pipeline.build_image(plan, cache=cache, out_dir=out, log=EventLog(stream=stream), engine=engine)
+    assert engine.count("build") == 1 and "stage-3" not in engine.images
+    assert any("builder stage" in p for p in report.pruned)
+    assert "may need up to" in stream.getvalue()
+
+
+def test_a_roomy_disk_keeps_the_layer_cache(smoke):
+    plan, cache, out = smoke
+    engine = engine_with_bases(plan)
+    _builder_stage(engine, plan, 3)
+    engine.free_bytes = 10 ** 12
+    pipeline.build_image(plan, cache=cache, out_dir=out, log=QUIET, engine=engine)
+    assert "stage-3" in engine.images
 
 
 def fake_compile(calls):

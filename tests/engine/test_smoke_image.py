@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 
@@ -98,12 +99,13 @@ def test_corrupt_cached_wheel_is_named_evicted_and_refetched(smoke_build, tmp_pa
     source = CacheLayout(default_cache_root())
     cache = CacheLayout(tmp_path / "cache")
     shutil.copytree(source.resolutions, cache.resolutions)
-    shutil.copytree(source.wheels, cache.wheels)
+    shutil.copytree(source.wheels, cache.wheels, copy_function=os.link)   # GBs of wheels: link, don't copy
     locked = {p["filename"] for p in json.loads((smoke_build["out"] / "build.lock.json").read_text())["packages"]}
     victim = min((p for p in cache.wheels.rglob("*.whl") if p.name in locked), key=lambda p: p.stat().st_size)
-    with open(victim, "r+b") as fh:
-        fh.seek(10)
-        fh.write(b"tampered")
+    tampered = bytearray(victim.read_bytes())
+    tampered[10:18] = b"tampered"
+    victim.unlink()                     # break the link first: the real cache must stay intact
+    victim.write_bytes(bytes(tampered))
     env = {"FTIMAGE_CACHE": str(cache.root)}
     proc = run_build_cli("images/smoke", "--out", str(tmp_path / "out"), env=env)
     assert proc.returncode == 1

@@ -18,6 +18,7 @@ class FakeEngine:
     calls: list[tuple[str, Any]] = field(default_factory=list)
     on_run: Callable[..., RunResult] | None = None
     removed_containers: int = 0
+    free_bytes: int | None = None     # None: the engine's disk is not on this host (not checked)
 
     def image(self, ref: str) -> dict[str, Any] | None:
         self.calls.append(("image", ref))
@@ -72,6 +73,9 @@ class FakeEngine:
                  if key in i["Config"]["Labels"] and (not value or i["Config"]["Labels"][key] == value)}
         # like the engine's image list: labels at the top level, newest first
         return sorted(found.values(), key=lambda i: i.get("Created", 0), reverse=True)
+
+    def disk_space(self) -> tuple[str, int] | None:
+        return None if self.free_bytes is None else ("/var/lib/docker", self.free_bytes)
 
     def count(self, kind: str) -> int:
         return sum(1 for c in self.calls if c[0] == kind)

@@ -87,6 +87,10 @@ def test_image_reruns_checks_inside(engine, kernel_smoke):
     assert result.exit_code == 0, result.output
     assert "causal_conv1d_bwd" in result.output and "causal_conv1d_fwd" in result.output
     assert engine.run(tag, ["id", "-u"], timeout=60).output.strip() == "10001"
+    # link-time static archives (Triton's CUPTI, cudart_static) are not shipped
+    found = engine.run(tag, ["-c", "find /opt/ftimage/venv -name '*.a' | head -3; python -c 'import triton'"],
+                       entrypoint=["sh"], timeout=120)
+    assert found.exit_code == 0 and found.output.strip() == "", found.output
 
 
 def test_abi_mismatch_is_caught_and_named(kernel_smoke, smoke_image):
