@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,18 @@ def decide_packing(requested: str, gate: GateOutcome) -> PackingDecision:
                                   "documents on fallback kernels, so batches are 2D padded")
 
 
+def check_writable(output_dir: str) -> None:
+    try:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        # a probe of its own: every node of a multi-node run probes the same shared output.dir,
+        # and one fixed name let one node delete the probe another was about to remove
+        with tempfile.TemporaryFile(dir=output_dir, prefix=".write-probe-"):
+            pass
+    except OSError as exc:
+        raise FinetuneError(f"output.dir {output_dir} is not writable: {exc}",
+                            "mount a writable volume and set output.dir (or --output-dir) to it") from None
+
+
 def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bool, env: dict,
             log: Callable[[str], None] = print, gate: Callable[..., GateOutcome] = run_verify,
             flags: list[str] = (), events=None) -> Launch:
@@ -143,14 +156,7 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
         raise FinetuneError("output.tensorboard=true, but the tensorboard package is not installed in this image",
                             "add tensorboard to the image's python requirements and rebuild, or set "
                             "output.tensorboard=false (metrics.jsonl is always written)")
-    try:
-        Path(cfg.output.dir).mkdir(parents=True, exist_ok=True)
-        probe = Path(cfg.output.dir) / ".write-probe"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise FinetuneError(f"output.dir {cfg.output.dir} is not writable: {exc}",
-                            "mount a writable volume and set output.dir (or --output-dir) to it") from None
+    check_writable(cfg.output.dir)
 
     log("[finetune] running verify (the run stops unless it passes)")
     model_dir = cfg.model.path if (Path(cfg.model.path) / "config.json").is_file() else None

@@ -228,8 +228,11 @@ def finetune_defaults(spec: ImageSpec, file: str, problems: Problems) -> dict[st
 
     layers: list[tuple[str, str, dict]] = []
     if spec.finetune.config_file:
-        path = (spec.directory / spec.finetune.config_file).resolve()
-        if not path.is_relative_to(spec.directory.resolve()):
+        path = (spec.directory / spec.finetune.config_file.replace("\x00", "")).resolve()
+        if re.search(r"[\x00-\x1f\x7f]", spec.finetune.config_file):   # NUL would crash every os call
+            problems.add(file, "finetune.config_file", "control characters (NUL, newline, ...) in a file name",
+                         "give a plain relative path to a file inside the image folder", "bad-format")
+        elif not path.is_relative_to(spec.directory.resolve()):
             problems.add(file, "finetune.config_file", f"path {spec.finetune.config_file!r} points outside the "
                          "image folder", "keep the file inside the image folder and use a relative path",
                          "path-outside")

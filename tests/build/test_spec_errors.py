@@ -62,6 +62,9 @@ BROKEN = {
     "path outside the image folder": (
         _image_edit(lambda d: d.update(finetune={"config_file": "../smoke/finetune.yaml"})),
         "finetune.config_file", "points outside the image folder"),
+    "NUL in a file name": (
+        _image_edit(lambda d: d.update(finetune={"config_file": "a\x00b"})),
+        "finetune.config_file", "control characters"),
     "unknown toolchain": (_image_edit(lambda d: d.update(toolchain="cu999")), "toolchain", "unknown toolchain"),
     "root runtime user": (_image_edit(lambda d: d["runtime"].update(uid=0)), "runtime.uid", "root"),
     "unpinned python requirement": (

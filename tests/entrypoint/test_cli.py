@@ -214,3 +214,29 @@ def test_gate_reports_a_verify_crash_as_failure(monkeypatch):
     monkeypatch.setattr(verify, "run_checks", boom)
     outcome = run_verify()
     assert not outcome.passed and outcome.worst == "ERROR" and "kaboom" in outcome.table
+
+
+def test_nodes_probing_one_shared_output_dir_do_not_trip_each_other(tmp_path):
+    import threading
+
+    from entrypoint.finetune import FinetuneError, check_writable
+
+    out = tmp_path / "shared"
+    errors: list[Exception] = []
+
+    def node():
+        for _ in range(200):
+            try:
+                check_writable(str(out))
+            except FinetuneError as exc:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=node) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and list(out.iterdir()) == []    # no probe left behind
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FinetuneError, match="not writable"):
+        check_writable(str(tmp_path / "file" / "out"))

@@ -200,8 +200,13 @@ def test_two_node_run_on_loopback(fixture_dir, tmp_path):
             stderr=subprocess.STDOUT, text=True))
     # logs go to files, not pipes: reading one node's pipe to the end while the other node's
     # pipe fills would block that node inside a collective and hang both
-    for p in procs:
-        p.wait(timeout=240)
+    try:
+        for p in procs:
+            p.wait(timeout=240)
+    finally:
+        for p in procs:     # a node stuck in rendezvous must not outlive the test
+            if p.poll() is None:
+                p.kill()
     for node, p in enumerate(procs):
         assert p.returncode == 0, (tmp_path / f"node{node}.log").read_text()[-3000:]
     for node in (0, 1):
