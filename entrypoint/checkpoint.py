@@ -249,10 +249,11 @@ def export_hf(model, hf_config, tokenizer, out_dir: Path, *, dtype: torch.dtype,
         tokenizer.save_pretrained(str(tmp))
         _fsync_tree(tmp)
     except (OSError, RuntimeError) as exc:
-        full = ran_out_of_space(exc, tmp, _state_bytes(state))
+        needed = _state_bytes(state)
+        full = ran_out_of_space(exc, tmp, needed)   # asked before the partial files are removed
         shutil.rmtree(tmp, ignore_errors=True)
         if full:
-            raise disk_full(out_dir, _state_bytes(state)) from None
+            raise disk_full(out_dir, needed) from None
         raise
     if out_dir.exists():
         shutil.rmtree(out_dir)

@@ -61,10 +61,17 @@ def test_label_values_are_data_not_dockerfile_text(ws):
     assert labels["io.example.note"] == hostile and labels["org.opencontainers.image.description"] == hostile
 
 
+# Credential-shaped stand-ins, assembled at run time (join is not constant-folded) so that
+# no token-shaped literal sits in the source or its bytecode.
+FAKE_GITHUB_TOKEN = "".join(["ghp_", "0123456789abcdefghijklmnopqrstuvwxyzAB"])
+FAKE_AWS_KEY = "".join(["AKIA", "ABCDEFGHIJKLMNOP"])
+FAKE_HF_TOKEN = "".join(["hf_", "abcdefghijklmnopqrstuvwxyzABCDEFGH"])
+
+
 @pytest.mark.parametrize("field, value", [
-    ("description", "deploy with ghp_0123456789abcdefghijklmnopqrstuvwxyzAB"),
-    ("labels", {"io.example.token": "AKIAABCDEFGHIJKLMNOP"}),
-    ("finetune", {"defaults": {"model": {"path": "hf_abcdefghijklmnopqrstuvwxyzABCDEFGH"}}}),
+    ("description", f"deploy with {FAKE_GITHUB_TOKEN}"),
+    ("labels", {"io.example.token": FAKE_AWS_KEY}),
+    ("finetune", {"defaults": {"model": {"path": FAKE_HF_TOKEN}}}),
 ])
 def test_secrets_are_refused_in_every_free_text_field(ws, run_cli, field, value):
     _edit(ws, "smoke", lambda d: d.update({field: value}))
@@ -200,7 +207,7 @@ def test_claim_refuses_a_symlink_and_adopts_an_empty_folder(tmp_path):
 HOSTILE = st.sampled_from([
     "x\nRUN touch /pwned", "\r\nUSER root", "$HOME", "${PATH}", "`id`", "$(id)", '"', "'", "\\", "../../outside/x",
     "/etc/passwd", "a\x00b", "\u2028RUN id", "--index-url=http://evil", "; rm -rf /", "{{ venv }}", "{% raw %}",
-    "ghp_0123456789abcdefghijklmnopqrstuvwxyzAB",
+    FAKE_GITHUB_TOKEN,
 ]) | st.text(max_size=12)
 PATHS_IMAGE = [("name",), ("description",), ("labels", "io.example.a"), ("runtime", "user"),
                ("python", "requirements", 0), ("finetune", "config_file"), ("model_family",),

@@ -96,7 +96,7 @@ BROKEN = {
     "flash_attention_2 without flash-attn": (
         _image_edit(lambda d: d.update(kernels=["causal-conv1d"])), "runtime.attn_implementation",
         "needs the flash-attn kernel"),
-    "secret in a label": (_image_edit(lambda d: d["labels"].update({"hf_token": "hf_" + "x" * 34})),
+    "secret in a label": (_image_edit(lambda d: d["labels"].update({"hf_token": "".join(["hf_", "x" * 34])})),
                           "labels.hf_token", "secret"),
     "registry base without tag or digest": (
         _image_edit(lambda d: d["bases"].update(runtime={"image": "nvidia/cuda"})), "bases.runtime.image",
