@@ -24,7 +24,7 @@ from build.resolve import BuildPlan, digest
 from contracts import atomic
 from contracts.events import EventLog, Progress
 
-RECORD_SCHEMA = 2
+RECORD_SCHEMA = 3   # 3: versions come from each wheel's METADATA (torch 2.14.1+cu130), not its file name
 
 # glibc of the bootstrapped Debian bookworm bases is 2.36: accept manylinux tags up to it.
 _GLIBC_MAX_MINOR = 36
@@ -65,7 +65,7 @@ def resolve_closure(requirements: tuple[str, ...], *, plan: BuildPlan, cache: Ca
     only on a resolution-cache miss. Every returned wheel is in the cache and re-verified."""
     key = digest({"requirements": sorted(requirements),
                   "torch": {"version": plan.toolchain.torch_version, "sha256": plan.torch_wheel.sha256},
-                  "python": plan.toolchain.python, "platform": plan.spec.platform, "schema": 1})
+                  "python": plan.toolchain.python, "platform": plan.spec.platform, "schema": RECORD_SCHEMA})
     record = cache.resolutions / f"{key}.json"
     if record.is_file():
         wheels, problem = _read_resolution(record, plan)
@@ -159,7 +159,27 @@ def _store(path: Path, cache: CacheLayout) -> Wheel:
     dest = cache.wheel_path(sha, path.name)
     if not dest.is_file():
         atomic.copy_file(path, dest)
-    return Wheel(name=str(canonicalize_name(name)), version=str(version), filename=path.name, sha256=sha)
+    return Wheel(name=str(canonicalize_name(name)), version=metadata_version(path) or str(version),
+                 filename=path.name, sha256=sha)
+
+
+def metadata_version(wheel: Path) -> str | None:
+    """The version the wheel installs (its METADATA), which is what importlib.metadata reports in
+    the image. It can differ from the file name: PyTorch's CUDA wheels are named `torch-2.14.1-...`
+    and install `2.14.1+cu130`."""
+    import email.parser
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            names = [n for n in zf.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")]
+            if len(names) != 1:
+                return None
+            with zf.open(names[0]) as fh:
+                head = fh.read(64 * 1024).decode("utf-8", "replace")
+    except (OSError, zipfile.BadZipFile):
+        return None
+    return email.parser.Parser().parsestr(head, headersonly=True).get("Version")
 
 
 def _check_torch_pin(plan: BuildPlan, wheels: list[Wheel]) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import traceback
 from collections.abc import Iterable, Sequence
@@ -111,6 +112,14 @@ def _run_one(name: str, ctx: Context) -> list[CheckResult]:
         return [CheckResult(name, Status.FAIL, "no usable model family (see model_family row)",
                             "fix the model family first")]
     module = importlib.import_module(f"verify.checks.{name}")
+    missing = [m for m in getattr(module, "REQUIRES", ()) if importlib.util.find_spec(m) is None]
+    if missing:
+        # These checks prove the fast path through that code; unable to run, they prove nothing,
+        # so they fail closed with the reason instead of crashing.
+        return [CheckResult(name, Status.FAIL, f"cannot run: {', '.join(missing)} is not installed in this image, "
+                            f"and this check proves the fused path through its modeling code",
+                            f"add {', '.join(missing)} to the image's python.requirements and rebuild, or run "
+                            "verify --checks environment,model_fit for a kernels-only image")]
     try:
         rows = module.run(ctx)
     except Exception as exc:  # noqa: BLE001 - a crashing check must still fail closed, readably

@@ -36,7 +36,11 @@ def make_lock(plan: BuildPlan, wheels: tuple[Wheel, ...], kernel_wheels: tuple[K
                          for w in sorted(wheels, key=lambda w: w.name) if w.filename not in kernel_files)
     transformers = transformers or next((p.version for p in packages if p.name == "transformers"), "")
     tc = plan.toolchain
-    return BuildLock(image=plan.spec.name, plan_key=plan.plan_key, python=tc.python, torch=tc.torch_version,
+    # the version torch's own metadata reports (2.14.1+cu130), which is what verify compares with;
+    # the toolchain's pin may name only the public part
+    torch_version = next((w.version for w in wheels if w.name == "torch"), "") or \
+        next((p.version for p in packages if p.name == "torch"), "") or tc.torch_version
+    return BuildLock(image=plan.spec.name, plan_key=plan.plan_key, python=tc.python, torch=torch_version,
                      cuda=tc.cuda, cxx11_abi=tc.cxx11_abi, compiler=tc.compiler, transformers=transformers,
                      model_family=plan.spec.model_family, target_archs=plan.spec.target_archs,
                      attn_implementation=plan.spec.attn_implementation,

@@ -35,6 +35,7 @@ APP_SUFFIXES = {".py", ".json", ".yaml"}
 VENV = "/opt/ftimage/venv"
 APP_DIR = "/opt/ftimage/app"
 GATE = "/opt/ftimage/bin/ftimage-gate"
+DROP_INSTALLED_FILES = Path(__file__).with_name("drop_installed_files.py")
 
 
 @dataclass(frozen=True)
@@ -137,9 +138,9 @@ def _write(plan, directory, wheels, cache, kernel_wheels, base_refs, base_ids, e
         "Dockerfile": render_dockerfile(plan, base_refs, epoch),
     }
     texts["ftimage-gate"] = render_template("ftimage-gate.j2", venv=VENV)
+    texts["wheelhouse/drop_installed_files.py"] = DROP_INSTALLED_FILES.read_text()
     for rel, text in texts.items():
         (directory / rel).write_text(text)
-    (directory / "ftimage-gate").chmod(0o755)  # COPY keeps the mode (the classic builder has no --chmod)
     for package in APP_PACKAGES:
         copy_app(REPO_ROOT / package, directory / "app" / package)
     for path in sorted((directory / "app").rglob("*")):
@@ -167,6 +168,11 @@ def copy_app(src: Path, dest: Path) -> None:
 
 
 def _normalise_mtimes(directory: Path, epoch: int) -> None:
+    """Fixed mtimes and modes: COPY keeps both, so neither may come from this machine (a
+    builder's umask 077 would leave the lock unreadable to the image's non-root user)."""
+    executable = {directory / "ftimage-gate"}
     for path in [directory, *directory.rglob("*")]:
-        if not path.is_symlink():
-            os.utime(path, (epoch, epoch))
+        if path.is_symlink():
+            continue
+        path.chmod(0o755 if path.is_dir() or path in executable else 0o644)
+        os.utime(path, (epoch, epoch))

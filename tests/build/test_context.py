@@ -135,3 +135,47 @@ def test_builder_dockerfile_passes_hadolint(tmp_path):
     proc = subprocess.run([shutil.which("hadolint"), "--failure-threshold", "error", str(dockerfile)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_context_modes_are_set_by_the_build_not_the_umask(tmp_path):
+    """COPY keeps modes: a builder under umask 077 must not give the image a lock its non-root
+    user cannot read."""
+    import os
+    import stat
+
+    cache = CacheLayout(tmp_path / "cache")
+    wheels = _fake_wheels(cache)
+    plan = load_plan(REPO_ROOT / "images" / "smoke")
+    old = os.umask(0o077)
+    try:
+        ctx = render_context(plan, tmp_path / "ctx", wheels=wheels, cache=cache, epoch=0)
+    finally:
+        os.umask(old)
+    modes = {str(p.relative_to(ctx.directory)): stat.S_IMODE(p.stat().st_mode)
+             for p in [ctx.directory, *ctx.directory.rglob("*")]}
+    assert modes["build.lock.json"] == modes["app/entrypoint/train.py"] == 0o644
+    assert modes["ftimage-gate"] == 0o755 and modes["."] == modes["app"] == 0o755
+    assert set(modes.values()) == {0o644, 0o755}
+
+
+def test_the_lock_records_the_torch_version_its_metadata_reports(tmp_path):
+    """PyTorch's CUDA wheels are named torch-2.14.1-... and install 2.14.1+cu130: the lock must
+    record what importlib.metadata will report in the image."""
+    from build.wheelhouse import metadata_version
+
+    wheel = tmp_path / "torch-2.14.1-cp311-cp311-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("torch/__init__.py", "")
+        zf.writestr("torch-2.14.1+cu130.dist-info/METADATA", "Metadata-Version: 2.1\nName: torch\n"
+                                                             "Version: 2.14.1+cu130\n\nlong description\n")
+    assert metadata_version(wheel) == "2.14.1+cu130"
+    plan = load_plan(REPO_ROOT / "images" / "qwen27b")
+    lock = make_lock(plan, (Wheel(name="torch", version="2.14.1+cu130", filename=wheel.name, sha256="0" * 64),), (),
+                     {})
+    assert lock.torch == "2.14.1+cu130"
+
+
+def test_the_image_drops_static_archives_with_their_record_rows():
+    text = render_dockerfile(load_plan(REPO_ROOT / "images" / "qwen27b"), BASES, 0)
+    assert "drop_installed_files.py" in text and "'*.a'" in text
+    assert "-name '*.a'" not in text   # a bare delete leaves RECORD rows that verify then reports missing

@@ -75,3 +75,24 @@ def test_cli_exit_code_follows_the_worst_status(monkeypatch, tmp_path, capsys, s
     worst = "PASS" if status == "SKIP" else status   # not-applicable rows never outrank a pass
     assert f"RESULT: {worst} (exit {code})" in capsys.readouterr().out
     assert json.loads(out_file.read_text())["exit_code"] == code
+
+
+def test_checks_that_need_transformers_fail_closed_with_the_reason_when_it_is_missing(monkeypatch, env_lock,
+                                                                                      tmp_path):
+    """A kernels-only image (no transformers) must get readable FAIL rows, never a crash."""
+    import importlib.util
+
+    from verify.report import Status
+    from verify.runner import run_checks
+
+    lock = tmp_path / "lock.json"
+    lock.write_text(env_lock.to_json())
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else
+                        real(name, *a))
+    report = run_checks("dispatch,isolation,fused_ops", device="cpu", lock=str(lock))
+    rows = {r.check: r for r in report.results}
+    for name in ("dispatch", "isolation", "fused_ops"):
+        assert rows[name].status is Status.FAIL
+        assert "transformers is not installed" in rows[name].detail and "crashed" not in rows[name].detail
+        assert "python.requirements" in rows[name].fix

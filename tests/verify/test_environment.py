@@ -139,3 +139,63 @@ def test_a_kernels_runtime_constraint_fails_on_its_arch_only():
     assert ok.status is Status.PASS
     (missing,) = env.decide_runtime_constraints([kernel], "sm_90", {"triton": None})
     assert missing.status is Status.FAIL and "not installed" in missing.detail
+
+
+@pytest.mark.parametrize("lock_torch, installed, status", [
+    ("2.14.1+cu130", "2.14.1+cu130", Status.PASS),   # a CUDA wheel reports its local label
+    ("2.14.1+cu130", "2.14.1+cpu", Status.FAIL),     # a CPU torch never passes for a CUDA lock
+    ("2.14.1+cu130", "2.14.1", Status.FAIL),
+    ("2.13.0+cpu", "2.13.0+cpu", Status.PASS),
+])
+def test_torch_is_compared_with_the_lock_by_its_metadata_version(env_lock, lock_torch, installed, status):
+    lock = replace(env_lock, torch=lock_torch)
+    rows = {r.check: r for r in env.decide_versions(lock, "3.11.7", installed, None, lock.transformers)}
+    assert rows["environment.torch"].status is status
+
+
+def test_an_image_without_transformers_skips_that_row_with_the_reason(env_lock):
+    rows = {r.check: r for r in env.decide_versions(replace(env_lock, transformers=""), "3.11.7", env_lock.torch,
+                                                    None, None)}
+    assert rows["environment.transformers"].status is Status.SKIP
+    assert "ships no transformers" in rows["environment.transformers"].detail
+    missing = {r.check: r for r in env.decide_versions(env_lock, "3.11.7", env_lock.torch, None, None)}
+    assert missing["environment.transformers"].status is Status.FAIL
+    assert "not installed" in missing["environment.transformers"].detail
+
+
+def test_files_dropped_with_their_record_rows_leave_a_consistent_installation(tmp_path):
+    """The image drops static archives at build time; their RECORD rows must go with them, or
+    verify reports them missing and the image fails its own check."""
+    from build.context.drop_installed_files import drop
+
+    dist = _fake_dist(tmp_path)
+    archive = tmp_path / "fakepkg" / "libfake.a"
+    archive.write_bytes(b"!<arch>\n")
+    digest = base64.urlsafe_b64encode(hashlib.sha256(archive.read_bytes()).digest()).rstrip(b"=").decode()
+    record = tmp_path / "fakepkg-1.0.dist-info" / "RECORD"
+    record.write_text(record.read_text() + f"fakepkg/libfake.a,sha256={digest},8\n")
+
+    archive.unlink()   # what `find -name '*.a' -delete` did: the row stays
+    _hashed, _skipped, bad = env._record_mismatches(dist, deep=True)
+    assert bad == ["fakepkg/libfake.a (missing)"]
+
+    archive.write_bytes(b"!<arch>\n")
+    assert drop(tmp_path, ["*.a"]) == ["fakepkg/libfake.a"]
+    assert not archive.exists()
+    hashed, _skipped, bad = env._record_mismatches(importlib.metadata.PathDistribution(dist._path), deep=True)
+    assert bad == [] and hashed == 1
+    assert "libfake.a" not in record.read_text()
+
+
+def test_drop_refuses_a_record_row_outside_site_packages(tmp_path):
+    from build.context.drop_installed_files import drop
+
+    (tmp_path / "site").mkdir()
+    _fake_dist(tmp_path / "site")
+    outside = tmp_path / "victim.a"
+    outside.write_bytes(b"keep me")
+    record = tmp_path / "site" / "fakepkg-1.0.dist-info" / "RECORD"
+    record.write_text(record.read_text() + "../victim.a,,\n")
+    with pytest.raises(SystemExit, match="outside"):
+        drop(tmp_path / "site", ["*.a"])
+    assert outside.read_bytes() == b"keep me"

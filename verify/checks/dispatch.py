@@ -23,6 +23,8 @@ from verify.calltrace import watch_calls
 from verify.context import Context, FusedNeed
 from verify.report import CheckResult, Status
 
+REQUIRES = ("transformers",)   # the modeling code whose dispatch these rows prove
+
 REBUILD = "rebuild the image with `python -m build` so the lock's kernel wheels are installed and importable"
 
 

@@ -60,16 +60,30 @@ def decide_driver(driver_version: int | None, lock_cuda: str) -> CheckResult:
 
 
 def decide_versions(lock: BuildLock, python: str, torch_version: str, torch_cuda: str | None,
-                    transformers_version: str) -> list[CheckResult]:
+                    transformers_version: str | None) -> list[CheckResult]:
+    """Versions as the installed distributions' metadata report them, compared exactly with the
+    lock (which recorded the wheels' metadata): 2.14.1+cu130 matches a +cu130 lock, and a +cpu
+    torch never does."""
     rows = []
     want_cuda = None if lock.cuda == "cpu" else lock.cuda
     pairs = [("python", lock.python, python), ("torch", lock.torch, torch_version),
-             ("torch_cuda", want_cuda or "none", torch_cuda or "none"),
-             ("transformers", lock.transformers, transformers_version)]
+             ("torch_cuda", want_cuda or "none", torch_cuda or "none")]
+    if transformers_version is None and not lock.transformers:
+        rows_transformers = CheckResult("environment.transformers", Status.SKIP,
+                                        "this image ships no transformers (its lock records none), so there is no "
+                                        "modeling code to check here")
+    elif transformers_version is None:
+        rows_transformers = CheckResult("environment.transformers", Status.FAIL,
+                                        f"transformers {lock.transformers} is in the lock but not installed", REBUILD)
+    else:
+        rows_transformers = None
+        pairs.append(("transformers", lock.transformers, transformers_version))
     for what, want, have in pairs:
         ok = have == want or (what == "python" and have.startswith(want + "."))
         rows.append(CheckResult(f"environment.{what}", Status.PASS if ok else Status.FAIL,
                                 f"{have}" + ("" if ok else f", the lock says {want}"), "" if ok else REBUILD))
+    if rows_transformers is not None:
+        rows.append(rows_transformers)
     return rows
 
 
@@ -274,10 +288,9 @@ def run(ctx: Context) -> list[CheckResult]:
     else:
         rows.append(CheckResult("environment.arch", Status.FAIL, "no CUDA device to compare with the lock's "
                                 f"target_archs {list(lock.target_archs)}", "see environment.cuda_device"))
-    import transformers
-
     python = ".".join(map(str, sys.version_info[:3]))
-    rows.extend(decide_versions(lock, python, torch.__version__, torch.version.cuda, transformers.__version__))
+    rows.extend(decide_versions(lock, python, _version("torch") or torch.__version__, torch.version.cuda,
+                                _version("transformers")))
     rows.extend(check_installed(list(lock.kernels), ctx.deep))
     rows.extend(summarize_packages(check_installed(list(lock.packages), ctx.deep)))
     wanted = {c.package for k in lock.kernels for c in k.runtime_constraints}

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from verify.context import Context
 from verify.report import CheckResult, Status
 
+REQUIRES = ("transformers",)   # the modeling code whose dispatch these rows prove
+
 
 @dataclass(frozen=True)
 class OpTolerance:
