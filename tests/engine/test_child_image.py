@@ -105,3 +105,10 @@ def test_the_base_verify_still_runs_in_the_child(client, child_image):
     for check in ("lock", "environment.torch", "environment.transformers", "environment.packages"):
         assert rows.get(check) == "PASS", (check, out[-3000:])
     assert code == 2 and "RESULT: FAIL" in out, out[-3000:]   # a CPU image has no CUDA device, by design
+
+
+def test_every_environment_row_of_the_child_image_passes(client, child_image):
+    from tests.fixtures.verify_rows import environment_rows_that_do_not_pass, report_from_output
+
+    _code, output = run(client, child_image, ["verify", "--json", "--checks", "environment"], environment=UNGATED)
+    assert environment_rows_that_do_not_pass(report_from_output(output)) == []

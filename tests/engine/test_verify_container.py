@@ -36,3 +36,16 @@ def test_cpu_isolation_probe_reports_the_leak_per_layer_kind(engine, smoke_image
         assert data["withheld_rel"] > data["blind_threshold"]
     # Full attention on the smoke image (sdpa + packed position_ids) is measured, not assumed.
     assert rows["isolation.attention"]["data"]["withheld_rel"] > rows["isolation.attention"]["data"]["blind_threshold"]
+
+
+def test_every_environment_row_of_the_smoke_image_passes(engine, smoke_image):
+    """Rows that need no GPU must pass in the image the project ships (exact rows, not the exit
+    code, not the summary row that hides per-package failures)."""
+    from tests.fixtures.verify_rows import GPU_ROWS, environment_rows_that_do_not_pass, report_from_output
+
+    result = engine.run(smoke_image, ["verify", "--json", "--checks", "environment"], network="none", timeout=600)
+    report = report_from_output(result.output)
+    assert environment_rows_that_do_not_pass(report) == []
+    rows = {r["check"]: r for r in report["results"]}
+    assert {"environment.torch", "environment.transformers", "environment.packages"} <= set(rows)
+    assert {r for r in rows if rows[r]["status"] == "FAIL"} == GPU_ROWS

@@ -93,6 +93,23 @@ def test_image_reruns_checks_inside(engine, kernel_smoke):
     assert found.exit_code == 0 and found.output.strip() == "", found.output
 
 
+def test_every_verify_row_of_the_kernel_image_is_a_verdict_not_a_crash(engine, kernel_smoke):
+    """kernel-smoke ships no transformers: the rows that prove dispatch through its modeling code
+    fail closed with that reason, and every environment row that needs no GPU passes."""
+    from tests.fixtures.verify_rows import environment_rows_that_do_not_pass, report_from_output
+
+    result = engine.run(kernel_smoke["first"]["tag"], ["verify", "--json"], network="none", timeout=900)
+    report = report_from_output(result.output)
+    assert environment_rows_that_do_not_pass(report) == []
+    rows = {r["check"]: r for r in report["results"]}
+    assert rows["environment.transformers"]["status"] == "SKIP"
+    assert rows["environment.torch"]["status"] == "PASS" and "+cu130" in rows["environment.torch"]["detail"]
+    for kernel in ("causal-conv1d", "flash-attn"):
+        assert rows[f"environment.kernel.{kernel}"]["status"] == "PASS"
+    for name in ("dispatch", "isolation", "fused_ops"):
+        assert rows[name]["status"] == "FAIL" and "transformers is not installed" in rows[name]["detail"]
+
+
 def test_abi_mismatch_is_caught_and_named(kernel_smoke, smoke_image):
     """The causal-conv1d wheel built against torch 2.14.1+cu130, imported beside the smoke
     image's torch 2.13.0+cpu: the import/ABI check fails and names what is missing."""
