@@ -24,10 +24,11 @@ class MicroBatch:
     n_real: int               # real (non-pad) tokens
     area: int                 # token slots computed (B * T)
     doc_lengths: list[int]    # for the packing-aware attention FLOPs (sum of L_i^2)
+    n_loss: int = -1          # tokens that carry loss; counted from the host copy of the labels
 
-    @property
-    def n_loss(self) -> int:
-        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+    def __post_init__(self):
+        if self.n_loss < 0:
+            self.n_loss = int(np.count_nonzero(self.labels.numpy()[:, 1:] != IGNORE_INDEX))
 
 
 def build_micro_batch(corpus: Corpus, doc_ids: list[int], *, packed: bool, budget: int,

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -150,11 +149,17 @@ def set_rng_state(state: dict) -> None:
 
 
 class Checkpointer:
-    def __init__(self, root: Path, *, keep: int, rank: int, world_size: int):
+    def __init__(self, root: Path, *, keep: int, rank: int, world_size: int, device: torch.device | None = None):
         self.root = root
         self.keep = keep
         self.rank = rank
         self.world_size = world_size
+        self.device = device or torch.device("cpu")
+
+    def barrier(self) -> None:
+        from entrypoint.collectives import barrier
+
+        barrier(self.device)
 
     def clean_stale(self) -> list[str]:
         """Remove temp dirs a killed run left behind (rank 0; then everyone waits)."""
@@ -164,7 +169,7 @@ class Checkpointer:
                 if p.name.startswith(".tmp-"):
                     shutil.rmtree(p, ignore_errors=True)
                     removed.append(p.name)
-        dist.barrier()
+        self.barrier()
         return removed
 
     def save(self, step: int, model, optimizer, trainer_state: dict) -> Path:
@@ -174,7 +179,7 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-        dist.barrier()
+        self.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         try:
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
@@ -185,7 +190,7 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)   # give the space back; resume never sees a partial step
                 raise disk_full(tmp, needed) from None
             raise
-        dist.barrier()
+        self.barrier()
         if self.rank == 0:
             state = {**trainer_state, "files": files_manifest(tmp)}
             (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2))
@@ -195,7 +200,7 @@ class Checkpointer:
             os.rename(tmp, final)
             _fsync_dir(self.root)
             self._prune()
-        dist.barrier()
+        self.barrier()
         return final
 
     def _prune(self) -> None:

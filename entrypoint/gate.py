@@ -1,9 +1,16 @@
 """The verify gate: one small function between training (ours, or any command through the
 gate) and verify/. Training runs only when verify passes (fail closed); whatever verify's
 internals become, the rest of the entrypoint sees one plain result.
+
+verify runs in a child process. Its probes initialise CUDA and allocate on the GPU; in the
+launcher, which lives as long as the run (torchrun's agent runs in it), that context and its
+memory would stay held on GPU 0 beside the training workers.
 """
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,15 +26,29 @@ class GateOutcome:
         return {"passed": self.passed, "worst": self.worst, "report": self.report}
 
 
+def verify_argv(*, model: str | None, param_dtype: str) -> list[str]:
+    isolated = ["-I"] if sys.flags.isolated else []   # the image's own code only, as in this process
+    return [sys.executable, *isolated, "-m", "verify", "--json", "--param-dtype", param_dtype,
+            *(["--model", str(model)] if model else [])]
+
+
 def run_verify(*, model: str | None = None, param_dtype: str = "bfloat16") -> GateOutcome:
     """Run verify's full check set on this node, for the model to be trained (its config.json)
-    and the dtype it trains in. Any failure to even run verify is a FAIL."""
+    and the dtype it trains in, in a child process. Any failure to even run verify is a FAIL."""
     try:
-        from verify import run_checks
+        proc = subprocess.run(verify_argv(model=model, param_dtype=param_dtype), stdout=subprocess.PIPE,
+                              stderr=None, text=True, check=False)
+    except OSError as exc:
+        proc, problem = None, f"{type(exc).__name__}: {exc}"
+    try:
+        from verify.report import Report
 
-        report = run_checks(model=model, param_dtype=param_dtype)
-    except Exception as exc:  # noqa: BLE001 - an import or crash must fail closed, readably
-        msg = f"verify could not run: {type(exc).__name__}: {exc}"
+        report = Report.from_dict(json.loads(proc.stdout)) if proc else None
+    except (ValueError, KeyError, TypeError) as exc:
+        report, problem = None, f"it exited {proc.returncode} without a readable report ({type(exc).__name__}); " \
+                                "its own error is printed above"
+    if report is None:
+        msg = f"verify could not run: {problem}"
         return GateOutcome(passed=False, worst="ERROR", table=msg,
                            report={"error": msg, "results": [], "worst": "ERROR", "passed": False})
     return GateOutcome(passed=bool(report.passed), worst=report.worst.name, table=report.to_table(),

@@ -7,7 +7,6 @@ its outcome, which this worker copies into run_report.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import signal
 import sys
@@ -15,36 +14,23 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from contracts import atomic
 from contracts.finetune_config import ConfigError
+from entrypoint import collectives
 from entrypoint.checkpoint import CheckpointError, DiskFull
 from entrypoint.console import Console
 from entrypoint.data import DataError
 from entrypoint.model import ModelError
 from entrypoint.plan import RunPlan
 from entrypoint.sampler import SamplerStateError
-from entrypoint.trainer import NonFiniteLoss, Trainer
+from entrypoint.step import NonFiniteLoss
+from entrypoint.trainer import Trainer
 
 USER_ERRORS = (ConfigError, DataError, ModelError, SamplerStateError, CheckpointError, NonFiniteLoss)  # carry a fix
 ONCE_ERRORS = (DiskFull, NonFiniteLoss)
 EXIT_INTERRUPTED = 143   # 128 + SIGTERM, what a stopped container reports
-
-
-def init_distributed(timeout_minutes: int) -> tuple[int, int, torch.device]:
-    """The process group, with the configured collective timeout (launch.timeout_minutes)."""
-    timeout = datetime.timedelta(minutes=timeout_minutes)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
-    return dist.get_rank(), dist.get_world_size(), device
 
 
 class StopRequest:
@@ -53,10 +39,12 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.requested = False
+        self.signal_name = ""
         signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
+        self.signal_name = signal.Signals(signum).name
 
     def __call__(self) -> bool:
         return self.requested
@@ -83,7 +71,7 @@ def die_with_launcher() -> None:
 
 def run(plan: RunPlan, stop: StopRequest) -> dict:
     cfg = plan.config
-    rank, world, device = init_distributed(cfg.launch.timeout_minutes)
+    rank, world, device = collectives.init_distributed(cfg.launch.timeout_minutes)
     if plan.allow_fallback:
         Console(rank).every_rank(
             "WARNING: --allow-fallback: training although verify did not pass "
@@ -96,7 +84,7 @@ def run(plan: RunPlan, stop: StopRequest) -> dict:
     result = trainer.finish()
     # Leave together: a rank tearing down gloo while rank 0 still writes the export can
     # abort at exit ("terminate called without an active exception").
-    dist.barrier()
+    collectives.barrier(device)
     return result
 
 

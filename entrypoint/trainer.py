@@ -8,36 +8,26 @@ step boundary with a checkpoint), finish (final checkpoint, HF export).
 """
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from contracts.finetune_config import FinetuneConfig, parse_profile_steps
 from entrypoint.batches import MicroBatch, build_micro_batch
 from entrypoint.checkpoint import Checkpointer, CheckpointError, export_hf, list_checkpoints
 from entrypoint.console import Console
 from entrypoint.data import Corpus, read_corpus
-from entrypoint.loss import loss_sum, to_device
 from entrypoint.metrics import FlopModel, IntervalMeter, MetricsWriter, device_peak_flops, flop_model
 from entrypoint.model import load_model_for_sharding, load_tokenizer, materialize, resolve_attention
 from entrypoint.parallelize import DTYPES, apply_activation_checkpointing, apply_fsdp
 from entrypoint.plan import RunPlan
 from entrypoint.profiling import StepProfiler
 from entrypoint.sampler import PackedSampler
+from entrypoint.step import NonFiniteLoss, PendingStep, StepOutcome, read_interval, run_step
 
-
-class NonFiniteLoss(Exception):
-    """The loss became NaN or inf: the run stops, and the weights are never exported."""
-
-    def __init__(self, step: int, loss: float):
-        super().__init__(f"the loss became {loss} at step {step}; stopping without exporting the weights\n"
-                         "  fix: lower train.lr or raise train.warmup_steps, check the data (inspect-data), "
-                         "and resume from the last checkpoint")
-        self.fix = "lower train.lr or raise train.warmup_steps, check the data, resume from the last checkpoint"
+__all__ = ["NonFiniteLoss", "Trainer", "schedule"]
 
 
 def schedule(optimizer, cfg: FinetuneConfig):
@@ -48,20 +38,6 @@ def schedule(optimizer, cfg: FinetuneConfig):
     t = cfg.train
     return get_cosine_with_min_lr_schedule_with_warmup(optimizer, num_warmup_steps=t.warmup_steps,
                                                        num_training_steps=t.max_steps, min_lr_rate=t.min_lr_ratio)
-
-
-@dataclass
-class StepStats:
-    loss: float
-    grad_norm: float
-    n_loss: int
-    n_real: int
-    area: int
-    sum_sq: int
-    n_micro: int
-    epoch: int
-    data_s: float
-    compute_s: float
 
 
 @dataclass
@@ -88,6 +64,8 @@ class Trainer:
     last_saved: int = 0
     interrupted: bool = False
     stop_requested: object = None          # a callable() -> bool, set by the worker (SIGTERM)
+    readback: object = None                # tensor -> list: the step's host sync (tests may observe it)
+    pending: list[PendingStep] = field(default_factory=list)   # steps not yet read back (logged)
 
     @property
     def out(self) -> Path:
@@ -124,9 +102,11 @@ class Trainer:
                  f"param_dtype={p.param_dtype}, AC on {n_ac} layers, batches={sampler.scheme}")
 
         t = cfg.train
+        # fused: one kernel per parameter group instead of a dozen foreach launches per step
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                                      weight_decay=t.weight_decay)
-        ckpt = Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, rank=rank, world_size=world)
+                                      weight_decay=t.weight_decay, fused=device.type == "cuda")
+        ckpt = Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, rank=rank, world_size=world,
+                            device=device)
         return cls(cfg=cfg, plan=plan, rank=rank, world=world, device=device, con=con, tokenizer=tokenizer,
                    corpus=corpus, sampler=sampler, model=model, optimizer=optimizer,
                    scheduler=schedule(optimizer, cfg), ckpt=ckpt, flops=flops, attn=attn, n_params=n_params)
@@ -160,46 +140,14 @@ class Trainer:
         return epoch, [build_micro_batch(self.corpus, ids, packed=self.plan.packed, budget=self.cfg.packing.budget,
                                          pad_token_id=self.tokenizer.pad_token_id) for ids in bins]
 
-    def train_step(self) -> StepStats:
+    def train_step(self) -> StepOutcome:
         td = time.perf_counter()
         epoch, mbs = self.micro_batches()
-        counts = torch.tensor([sum(m.n_loss for m in mbs), sum(m.n_real for m in mbs), sum(m.area for m in mbs),
-                               sum(sum(n * n for n in m.doc_lengths) for m in mbs)], dtype=torch.float64)
-        dist.all_reduce(counts)  # float64 counts stay exact below 2^53
-        n_loss, n_real, area, sum_sq = (int(x) for x in counts.tolist())
-        data_s = time.perf_counter() - td
-
-        tc = time.perf_counter()
-        local_sum = torch.zeros((), device=self.device)
-        for mb in mbs:
-            ls = loss_sum(self.model, to_device(mb.inputs, self.device), mb.labels.to(self.device),
-                          self.cfg.train.loss_chunk_tokens)
-            # FSDP2 averages gradients over ranks; times `world` turns that average into the
-            # sum, so the gradient is exactly d(sum of token losses)/d(theta) / global count.
-            (ls * self.world / max(n_loss, 1)).backward()
-            local_sum += ls.detach()
-        clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        dist.all_reduce(local_sum)
-        loss = local_sum.item() / max(n_loss, 1)
-        if not math.isfinite(loss):   # every rank sees the same reduced loss, so all stop together
-            raise NonFiniteLoss(self.step, loss)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        return StepStats(loss=loss, grad_norm=float(grad_norm), n_loss=n_loss, n_real=n_real, area=area,
-                         sum_sq=sum_sq, n_micro=len(mbs) * self.world, epoch=epoch, data_s=data_s,
-                         compute_s=time.perf_counter() - tc)
-
-    def _stop_agreed(self) -> bool:
-        """Did any rank get a stop request? Agreed by all ranks, so they checkpoint together."""
-        flag = torch.tensor([1.0 if (self.stop_requested and self.stop_requested()) else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        t = self.cfg.train
+        return run_step(self.model, self.optimizer, self.scheduler, mbs, device=self.device, world=self.world,
+                        grad_clip=t.grad_clip, loss_chunk_tokens=t.loss_chunk_tokens,
+                        stop=bool(self.stop_requested and self.stop_requested()), step=self.step, epoch=epoch,
+                        data_s=time.perf_counter() - td, readback=self.readback)
 
     def fit(self) -> None:
         cfg = self.cfg
@@ -207,31 +155,31 @@ class Trainer:
         peak = device_peak_flops(cfg.output.peak_tflops)
         window = parse_profile_steps(cfg.output.profile_steps) if cfg.output.profile_steps else None
         profiler = StepProfiler(window, self.out / "profile", self.rank, self.con.info)
-        meter, interval_start = IntervalMeter(), time.perf_counter()
+        interval_start = time.perf_counter()
         started, first_step, step_seconds = time.perf_counter(), self.step, 0.0
         try:
             while self.step < cfg.train.max_steps:
-                if self._stop_agreed():
-                    self.interrupted = True
-                    self.con.info(f"stop requested (SIGTERM): checkpointing at step {self.step}")
-                    self.save()
-                    return
                 self.step += 1
                 profiler.before_step(self.step)
-                s = self.train_step()
+                outcome = self.train_step()
                 profiler.after_step(self.step)
-                self.last_loss = s.loss
-                step_seconds += s.data_s + s.compute_s
-                meter.add(s, self.flops.train_flops(s.n_real, s.sum_sq), cfg.packing.budget)
-                if self.step % cfg.output.log_every == 0 or self.step == cfg.train.max_steps:
-                    rec = {"step": self.step, "epoch": s.epoch, "loss": s.loss, "loss_avg": meter.mean_loss(),
-                           "lr": self.scheduler.get_last_lr()[0], "grad_norm": s.grad_norm, "loss_tokens": s.n_loss,
-                           **meter.summary(time.perf_counter() - interval_start, self.world, peak)}
+                self.pending.append(outcome.pending)
+                step_seconds += outcome.pending.data_s + outcome.pending.compute_s
+                if self.step % cfg.output.log_every == 0 or self.step == cfg.train.max_steps or \
+                        outcome.stop_requested:
+                    wall = time.perf_counter() - interval_start
+                    rec = self.log_interval(wall, peak)
                     metrics.write(rec)
                     done = self.step - first_step
                     eta = step_seconds / done * (cfg.train.max_steps - self.step) if done else None
                     self.con.step(rec, cfg.train.max_steps, time.perf_counter() - started, eta)
-                    meter, interval_start = IntervalMeter(), time.perf_counter()
+                    interval_start = time.perf_counter()
+                if outcome.stop_requested:
+                    self.interrupted = True
+                    why = getattr(self.stop_requested, "signal_name", "") or "another rank"
+                    self.con.info(f"stop requested ({why}): checkpointing at step {self.step}")
+                    self.save()
+                    return
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     t_save = time.perf_counter()
                     self.save()
@@ -241,6 +189,19 @@ class Trainer:
         finally:
             profiler.close()
             metrics.close()
+
+    def log_interval(self, wall_s: float, peak: float | None) -> dict:
+        """Read the interval's pending steps back (one sync) and summarise them for the log."""
+        stats = read_interval(self.pending, self.device, self.step - len(self.pending) + 1)
+        self.pending.clear()
+        meter = IntervalMeter()
+        for s in stats:
+            meter.add(s, self.flops.train_flops(s.n_real, s.sum_sq), self.cfg.packing.budget)
+        last = stats[-1]
+        self.last_loss = last.loss
+        return {"step": self.step, "epoch": last.epoch, "loss": last.loss, "loss_avg": meter.mean_loss(),
+                "lr": self.scheduler.get_last_lr()[0], "grad_norm": last.grad_norm, "loss_tokens": last.n_loss,
+                **meter.summary(wall_s, self.world, peak)}
 
     def save(self) -> None:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict(),

@@ -205,15 +205,32 @@ def test_packing_decision_under_the_gate():
 
 
 def test_gate_reports_a_verify_crash_as_failure(monkeypatch):
-    import verify
+    import sys
+
+    from entrypoint import gate
+
+    monkeypatch.setattr(gate, "verify_argv", lambda **_: [sys.executable, "-c", "raise SystemExit('kaboom')"])
+    outcome = gate.run_verify()
+    assert not outcome.passed and outcome.worst == "ERROR" and "exited 1 without a readable report" in outcome.table
+
+
+def test_the_gate_runs_verify_in_a_child_process(monkeypatch, tmp_path):
+    """verify's probes initialise CUDA; in the launcher that context (and GPU memory) would stay
+    held for the whole run, so the launcher never imports the checks itself."""
+    import sys
+
     from entrypoint.gate import run_verify
+    from tests.fixtures.locks import environment_lock
 
-    def boom(*a, **k):
-        raise RuntimeError("kaboom")
-
-    monkeypatch.setattr(verify, "run_checks", boom)
+    lock = tmp_path / "lock.json"
+    lock.write_text(environment_lock().to_json())
+    monkeypatch.setenv("FTIMAGE_LOCK", str(lock))
+    before = {m for m in sys.modules if m.startswith("verify.checks")}
     outcome = run_verify()
-    assert not outcome.passed and outcome.worst == "ERROR" and "kaboom" in outcome.table
+    assert {m for m in sys.modules if m.startswith("verify.checks")} == before
+    rows = {r["check"]: r["status"] for r in outcome.report["results"]}
+    assert not outcome.passed and rows["lock"] == "PASS" and rows["environment.cuda_device"] == "FAIL"
+    assert "CHECK" in outcome.table and "dispatch.causal_conv1d_fn" in outcome.table
 
 
 def test_nodes_probing_one_shared_output_dir_do_not_trip_each_other(tmp_path):

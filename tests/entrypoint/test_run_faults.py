@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from entrypoint.checkpoint import list_checkpoints
 from tests.fixtures.chat import REPO, entrypoint_env, run_entrypoint
@@ -75,17 +76,27 @@ def test_damaged_newest_checkpoint_is_skipped_on_resume(fixture_dir, tmp_path):
     assert f"resumed from {out / 'checkpoints' / 'step-00000002'} at step 2" in r.stdout
 
 
-def test_nan_loss_stops_the_run_without_exporting(fixture_dir, tmp_path):
+def test_non_finite_gradients_stop_the_run_before_the_optimizer_steps(fixture_dir, tmp_path):
     out = tmp_path / "out"
     r = run_entrypoint(["finetune", "--config", str(fixture_dir.config), "--allow-fallback", f"output.dir={out}",
-                        "train.lr=1e30", "train.warmup_steps=0", "train.grad_clip=0", "train.max_steps=20"],
-                       timeout=240)
+                        "train.lr=1e30", "train.warmup_steps=0", "train.grad_clip=0", "train.max_steps=20",
+                        "checkpoint.every=1"], timeout=240)
     log = r.stdout + r.stderr
     assert r.returncode == 1, log[-3000:]
-    assert log.count("ERROR: the loss became") == 1 and "fix:" in log and "Traceback" not in log
+    assert log.count("ERROR: the gradient norm became") == 1 and "fix:" in log and "Traceback" not in log
     assert not (out / "final").exists()
     report = json.loads((out / "run_report.json").read_text())
-    assert report["status"] == "failed" and "the loss became" in report["error"]
+    assert report["status"] == "failed" and "the gradient norm became" in report["error"]
+    stopped_at = int(report["error"].split(" at step ")[1].split(";")[0])
+    # every checkpoint written holds finite weights: the step whose gradients were not finite never stepped
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    saved = list_checkpoints(out / "checkpoints")
+    assert saved and int(saved[-1].name.split("-")[1]) == stopped_at - 1
+    for ckpt in saved:
+        dcp_to_torch_save(str(ckpt), str(tmp_path / "c.pt"))
+        state = torch.load(tmp_path / "c.pt", weights_only=True)["model"]
+        assert all(torch.isfinite(t).all() for t in state.values()), ckpt.name
 
 
 @pytest.fixture
