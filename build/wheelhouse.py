@@ -24,7 +24,7 @@ from build.resolve import BuildPlan, digest
 from contracts import atomic
 from contracts.events import EventLog, Progress
 
-RECORD_SCHEMA = 3   # 3: versions come from each wheel's METADATA (torch 2.14.1+cu130), not its file name
+RECORD_SCHEMA = 3   # 3: versions come from each wheel's METADATA, not its file name
 
 # glibc of the bootstrapped Debian bookworm bases is 2.36: accept manylinux tags up to it.
 _GLIBC_MAX_MINOR = 36
@@ -165,8 +165,8 @@ def _store(path: Path, cache: CacheLayout) -> Wheel:
 
 def metadata_version(wheel: Path) -> str | None:
     """The version the wheel installs (its METADATA), which is what importlib.metadata reports in
-    the image. It can differ from the file name: PyTorch's CUDA wheels are named `torch-2.14.1-...`
-    and install `2.14.1+cu130`."""
+    the image and what verify compares with. It is not always torch.__version__: PyTorch's CUDA
+    wheel installs metadata version 2.14.1 while torch.__version__ says 2.14.1+cu130."""
     import email.parser
     import zipfile
 

@@ -1,42 +1,48 @@
-"""DCP checkpoints written atomically, resumed exactly, and the final HF export.
+"""DCP checkpoints written atomically, resumed exactly, and read as data only.
 
-Layout under <output.dir>/checkpoints/:
+Layout under <output.dir>/checkpoints/ (a real folder, never a symlink):
   step-00000010/          a complete checkpoint (the ONLY name resume ever considers)
+    .ftimage-checkpoint    marker: this folder was made by a run of this tool (written first)
     .metadata, __*.distcp  model + optimizer (DCP, sharded, every rank writes its part)
-    rng-rank<r>.pt         per-rank RNG state (torch, cuda, numpy, python)
-    trainer_state.json     step, scheduler, sampler, and the size of every file above, written LAST
+    rng-rank<r>.json       per-rank RNG state (torch, cuda, numpy, python) as JSON
+    trainer_state.json     step, scheduler, sampler, the run's resume-sensitive config, and the
+                           size of every file above; written LAST
   .tmp-step-00000012/     being written; never valid; removed at the next start
 
-Atomicity: all ranks write into the temp dir, every file is fsynced, then rank 0 renames
-the temp dir to its final name and fsyncs the parent. rename(2) is atomic on one
-filesystem, so a kill at any moment leaves either a complete step dir or a temp dir.
-A step dir damaged later (a truncated shard) fails its size manifest and is skipped by
-resume=auto, which takes the newest valid one. A full disk is one error naming the path
-and the space a checkpoint needs. Multi-node runs need output.dir on a shared filesystem.
+Atomicity: all ranks write into the temp dir, every file is fsynced, then rank 0 renames the
+temp dir to its final name and fsyncs the parent. rename(2) is atomic on one filesystem, so a
+kill at any moment leaves either a complete step dir or a temp dir. A step dir damaged later
+(a truncated shard) fails its size manifest and is skipped by resume=auto, which takes the
+newest valid one. A full disk is one error naming the path and the space a checkpoint needs.
+Multi-node runs need output.dir on a shared filesystem.
+
+Nothing here runs code from a checkpoint: RNG and trainer state are JSON, and DCP's pickled
+metadata and bytes entries go through dcp_safe. Listing and pruning never follow symlinks,
+and pruning deletes only real step folders holding the marker.
 """
 from __future__ import annotations
 
 import errno
 import json
 import os
-import random
 import re
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from contracts import atomic
+from entrypoint import rng_state
+from entrypoint.dcp_safe import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpoint
+from entrypoint.rundir import is_real_dir, is_real_file, read_bytes_nofollow, real_dir
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 TRAINER_STATE = "trainer_state.json"
+MARKER = ".ftimage-checkpoint"
+STATE_LIMIT = 64 << 20     # a trainer_state.json or rng file is KBs; a huge one is not ours
 
 
 class CheckpointError(Exception):
@@ -74,10 +80,11 @@ def ran_out_of_space(exc: BaseException, path: Path, needed_bytes: int) -> bool:
 
 
 def files_manifest(path: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file() and p.name != TRAINER_STATE}
+    return {p.name: os.lstat(p).st_size for p in sorted(path.iterdir())
+            if is_real_file(p) and p.name not in (TRAINER_STATE, MARKER)}
 
 
-def _state_bytes(*trees) -> int:
+def state_bytes(*trees) -> int:
     total = 0
     for tree in trees:
         stack = [tree]
@@ -98,54 +105,37 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def step_of(path: Path) -> int:
+    return int(STEP_DIR.match(path.name).group(1))
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank}.json"
+
+
 def is_complete(path: Path, world_size: int | None = None) -> bool:
-    if not (STEP_DIR.match(path.name) and (path / ".metadata").is_file() and (path / TRAINER_STATE).is_file()):
+    """A real step folder made by this tool, with its metadata and trainer state (no symlinks)."""
+    if not (STEP_DIR.match(path.name) and is_real_dir(path)):
+        return False
+    if not all(is_real_file(path / name) for name in (MARKER, ".metadata", TRAINER_STATE)):
         return False
     if world_size is not None:
-        return all((path / f"rng-rank{r}.pt").is_file() for r in range(world_size))
+        return all(is_real_file(path / rng_file(r)) for r in range(world_size))
     return True
 
 
 def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    if not root.is_dir():
+    """Complete checkpoints, oldest first. A `checkpoints` that is a symlink holds none."""
+    if not is_real_dir(root):
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+    return sorted((p for p in root.iterdir() if is_complete(p)), key=step_of)
 
 
-def _fsync_tree(path: Path) -> None:
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def read_json_nofollow(path: Path) -> dict:
+    data = json.loads(read_bytes_nofollow(path, STATE_LIMIT))
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    return data
 
 
 class Checkpointer:
@@ -162,11 +152,12 @@ class Checkpointer:
         barrier(self.device)
 
     def clean_stale(self) -> list[str]:
-        """Remove temp dirs a killed run left behind (rank 0; then everyone waits)."""
+        """Remove temp dirs a killed run left behind (rank 0; then everyone waits). Only real
+        folders holding this tool's marker: nothing else under output.dir is ever deleted."""
         removed = []
-        if self.rank == 0 and self.root.is_dir():
+        if self.rank == 0 and is_real_dir(self.root):
             for p in self.root.iterdir():
-                if p.name.startswith(".tmp-"):
+                if p.name.startswith(atomic.TMP_PREFIX) and is_real_dir(p) and is_real_file(p / MARKER):
                     shutil.rmtree(p, ignore_errors=True)
                     removed.append(p.name)
         self.barrier()
@@ -174,31 +165,34 @@ class Checkpointer:
 
     def save(self, step: int, model, optimizer, trainer_state: dict) -> Path:
         final = self.root / step_dir_name(step)
-        tmp = self.root / f".tmp-{final.name}"
+        tmp = self.root / f"{atomic.TMP_PREFIX}{final.name}"
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
+            real_dir(self.root.parent)
+            real_dir(self.root)
+            if is_real_dir(tmp) and is_real_file(tmp / MARKER):
+                shutil.rmtree(tmp)
+            os.mkdir(tmp, 0o755)          # fails on a planted file or symlink of that name
+            atomic.write_json(tmp / MARKER, {"step": step, "world_size": self.world_size})
         self.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         try:
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-            torch.save(rng_state(), tmp / f"rng-rank{self.rank}.pt")
+            atomic.write_json(tmp / rng_file(self.rank), rng_state.capture())
         except (OSError, RuntimeError, CheckpointException) as exc:
-            needed = _state_bytes(model_sd, optim_sd) * self.world_size
+            needed = state_bytes(model_sd, optim_sd) * self.world_size
             if ran_out_of_space(exc, tmp, needed):
                 shutil.rmtree(tmp, ignore_errors=True)   # give the space back; resume never sees a partial step
                 raise disk_full(tmp, needed) from None
             raise
         self.barrier()
         if self.rank == 0:
-            state = {**trainer_state, "files": files_manifest(tmp)}
-            (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2))
-            _fsync_tree(tmp)
-            if final.exists():  # a re-run of the same step after resume: replace it whole
+            state = {**trainer_state, "world_size": self.world_size, "files": files_manifest(tmp)}
+            atomic.write_json(tmp / TRAINER_STATE, state)
+            atomic.fsync_tree(tmp)
+            if is_complete(final):   # a re-run of the same step after resume: replace it whole
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(self.root)
+            atomic.fsync_dir(self.root)
             self._prune()
         self.barrier()
         return final
@@ -207,14 +201,17 @@ class Checkpointer:
         for old in list_checkpoints(self.root)[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: Path, model, optimizer) -> dict:
-        """Restore model + optimizer in place; returns trainer_state (rng restored too)."""
+    def read_state(self, path: Path) -> dict:
+        """trainer_state.json of a complete checkpoint whose files match their recorded sizes."""
         if not is_complete(path, self.world_size):
             raise CheckpointError(f"{path} is not a complete checkpoint for {self.world_size} ranks",
                                   "set checkpoint.resume=auto (newest complete one), never, or a complete "
                                   "step-* directory written by the same world size")
         try:
-            recorded = json.loads((path / TRAINER_STATE).read_text()).get("files", {})
+            state = read_json_nofollow(path / TRAINER_STATE)
+            recorded = state.get("files", {})
+            if not isinstance(recorded, dict):
+                raise ValueError("files is not a mapping")
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{path}/{TRAINER_STATE} is unreadable: {exc}", "resume from another checkpoint") \
                 from None
@@ -225,43 +222,36 @@ class Checkpointer:
             raise CheckpointError(f"{path.name} is damaged: {', '.join(damaged[:3])}",
                                   "resume=auto skips it and takes the newest valid checkpoint; delete it to reclaim "
                                   "the space")
+        return state
+
+    def load(self, path: Path, model, optimizer) -> dict:
+        """Restore model + optimizer in place; returns trainer_state (rng restored too)."""
+        state = self.read_state(path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        set_rng_state(torch.load(path / f"rng-rank{self.rank}.pt", weights_only=False))
-        return json.loads((path / TRAINER_STATE).read_text())
+        loaded = {"model": model_sd, "optim": optim_sd}
+        try:
+            dcp.load(loaded, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
+            rng = read_json_nofollow(path / rng_file(self.rank))
+            rng_state.restore(rng)
+        except (UnsafeCheckpoint, ValueError) as exc:
+            raise CheckpointError(f"{path.name} was refused: {str(exc).splitlines()[0]}",
+                                  "this checkpoint holds something other than training state; delete it, or resume "
+                                  "from another one (checkpoint.resume)") from None
+        except CheckpointException as exc:
+            unsafe = [e for e in _causes(exc) if isinstance(e, UnsafeCheckpoint)]
+            if unsafe:
+                raise CheckpointError(f"{path.name} was refused: {unsafe[0]}",
+                                      "this checkpoint holds something other than training state; delete it, or "
+                                      "resume from another one (checkpoint.resume)") from None
+            raise
+        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        return state
 
 
-def export_hf(model, hf_config, tokenizer, out_dir: Path, *, dtype: torch.dtype, rank: int) -> Path | None:
-    """Gather full weights to rank 0 and write a from_pretrained-loadable directory
-    (safetensors, sharded at 5 GB), atomically like checkpoints."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank != 0:
-        return None
-    from huggingface_hub import save_torch_state_dict
-
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    if getattr(hf_config, "tie_word_embeddings", False):
-        full.pop("lm_head.weight", None)  # shared with the embedding; HF re-ties on load
-    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
-    try:
-        save_torch_state_dict(state, str(tmp), max_shard_size="5GB")
-        hf_config.dtype = str(dtype).removeprefix("torch.")
-        hf_config.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        _fsync_tree(tmp)
-    except (OSError, RuntimeError) as exc:
-        needed = _state_bytes(state)
-        full = ran_out_of_space(exc, tmp, needed)   # asked before the partial files are removed
-        shutil.rmtree(tmp, ignore_errors=True)
-        if full:
-            raise disk_full(out_dir, needed) from None
-        raise
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.rename(tmp, out_dir)
-    _fsync_dir(out_dir.parent)
-    return out_dir
+def _causes(exc: CheckpointException) -> list[BaseException]:
+    """DCP wraps each rank's failure; dig the originals out."""
+    found = []
+    for failure in getattr(exc, "failures", {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        found.append(getattr(inner, "exception", inner))
+    return found

@@ -17,6 +17,7 @@ from contracts.finetune_config import FinetuneConfig, build_config, parse_overri
 from entrypoint.gate import GateOutcome, run_verify
 from entrypoint.launch import LaunchError, cache_env, resolve_topology, torchrun_argv, worker_env
 from entrypoint.plan import PackingDecision, RunPlan
+from entrypoint.rundir import RunDirError, ephemeral_warning, is_real_file, real_dir, resolve_output_dir
 
 EXIT_GATE = 3  # verify did not pass and --allow-fallback was not given
 
@@ -135,13 +136,17 @@ def check_writable(output_dir: str) -> None:
                             "mount a writable volume and set output.dir (or --output-dir) to it") from None
 
 
-def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bool, env: dict,
-            log: Callable[[str], None] = print, gate: Callable[..., GateOutcome] = run_verify,
-            flags: list[str] = (), events=None) -> Launch:
-    defaults, lock = lock_layer(log)
-    layers = config_layers(config_file, overrides, defaults, flags)
-    cfg = build_config([layer for _, layer in layers])
-    cfg.output.dir = str(Path(cfg.output.dir).absolute())
+def check_inputs(cfg: FinetuneConfig, log: Callable[[str], None]) -> None:
+    """Everything about the job's inputs that can be refused before verify and before any rank:
+    output.dir (resolved once, a boundary), the data's kind, the model folder, remote code."""
+    from entrypoint.inputs import InputError, check_data_path, check_remote_code
+
+    try:
+        cfg.output.dir = str(resolve_output_dir(cfg.output.dir))
+    except RunDirError as exc:
+        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
+    if warning := ephemeral_warning(Path(cfg.output.dir)):
+        log(f"[finetune] WARNING: {warning}")
     if not Path(cfg.data.path).exists():
         raise FinetuneError(f"data file {cfg.data.path} does not exist",
                             "mount the data and set data.path (JSONL or Parquet chat rows)")
@@ -152,15 +157,34 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
     if not model.exists() and (model.is_absolute() or cfg.model.path.startswith(".")):
         raise FinetuneError(f"model.path {model} does not exist",
                             "mount the model directory into the container and set model.path to it")
+    try:
+        check_data_path(cfg.data.path)
+        check_remote_code([cfg.model.path, cfg.model.tokenizer], cfg.model.trust_remote_code)
+    except InputError as exc:
+        raise FinetuneError(str(exc), exc.fix) from None
     if cfg.output.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise FinetuneError("output.tensorboard=true, but the tensorboard package is not installed in this image",
                             "add tensorboard to the image's python requirements and rebuild, or set "
                             "output.tensorboard=false (metrics.jsonl is always written)")
     check_writable(cfg.output.dir)
 
+
+def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bool, env: dict,
+            log: Callable[[str], None] = print, gate: Callable[..., GateOutcome] = run_verify,
+            flags: list[str] = (), events=None) -> Launch:
+    defaults, lock = lock_layer(log)
+    layers = config_layers(config_file, overrides, defaults, flags)
+    cfg = build_config([layer for _, layer in layers])
+    check_inputs(cfg, log)
+    try:
+        topo = resolve_topology(cfg, env)     # a world size the GPUs cannot hold is refused before verify
+        caches = cache_env(cfg, env)
+    except LaunchError as exc:
+        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
+
     log("[finetune] running verify (the run stops unless it passes)")
     model_dir = cfg.model.path if (Path(cfg.model.path) / "config.json").is_file() else None
-    with _process_env(cache_env(cfg, env)):  # verify imports transformers/triton: keep caches writable
+    with _process_env(caches):  # verify imports transformers/triton: keep caches writable
         outcome = gate(model=model_dir, param_dtype=cfg.parallel.param_dtype)
     if not outcome.passed:
         log(outcome.table)
@@ -173,18 +197,18 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
             "continuing ON THE RECORD with 2D padded batches")
     packing = decide_packing(cfg.packing.mode, outcome)
     cfg.packing.mode = packing.effective
-    try:
-        topo = resolve_topology(cfg, env)
-    except LaunchError as exc:
-        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
-    with _process_env(cache_env(cfg, env)):
+    with _process_env(caches):
         corpus = build_corpus(cfg, log, events)
     plan = RunPlan(config=cfg, config_file=config_file, overrides=list(overrides), verify=outcome.to_dict(),
                    allow_fallback=bool(allow_fallback and not outcome.passed), allow_fallback_flag=bool(allow_fallback),
                    packing=packing, lock=lock, topology=topo.__dict__, corpus=str(corpus),
                    provenance=provenance(layers))
-    plan_path = plan.write(Path(cfg.output.dir) / ".launch" / f"plan-node{topo.node_rank}.json")
-    wenv = worker_env(cfg, topo, env)
+    try:
+        launch_dir = real_dir(Path(cfg.output.dir) / ".launch")
+    except RunDirError as exc:
+        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
+    plan_path = plan.write(launch_dir / f"plan-node{topo.node_rank}.json")
+    wenv = worker_env(cfg, topo, {**env, **caches})
     return Launch(argv=torchrun_argv(topo, plan_path), env=wenv, plan_path=plan_path, plan=plan)
 
 
@@ -195,14 +219,15 @@ def build_corpus(cfg: FinetuneConfig, log: Callable[[str], None], events=None) -
     from entrypoint.model import ModelError, load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
-        path = Path(cfg.output.dir) / ".cache" / "corpus" / f"corpus-{corpus_key(cfg.data, tokenizer)}.npz"
-        if path.is_file():
+        tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path, cfg.model.trust_remote_code)
+        cache = real_dir(real_dir(Path(cfg.output.dir) / ".cache") / "corpus")
+        path = cache / f"corpus-{corpus_key(cfg.data, tokenizer)}.npz"
+        if is_real_file(path):
             corpus = read_corpus(path)
             log(f"[finetune] data: {len(corpus)} documents from the tokenized cache {path.name}")
             return path
         corpus = load_corpus(cfg.data, tokenizer, events)
-    except (DataError, ModelError) as exc:
+    except (DataError, ModelError, RunDirError) as exc:
         raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
     save_corpus(corpus, path)
     log(f"[finetune] data: {len(corpus)} documents, {int(corpus.offsets[-1])} tokens from {corpus.n_rows} rows; "

@@ -79,6 +79,7 @@ def inspect_data(argv: list[str]) -> int:
     from contracts.finetune_config import ConfigError
     from entrypoint.data import DataError
     from entrypoint.finetune import lock_layer, resolve_config
+    from entrypoint.inputs import InputError, check_data_path, check_remote_code
     from entrypoint.inspect_data import inspect
     from entrypoint.model import ModelError, load_tokenizer
 
@@ -95,9 +96,11 @@ def inspect_data(argv: list[str]) -> int:
     try:
         defaults, _ = lock_layer(lambda _m: None)
         cfg = resolve_config(args.config, list(args.overrides), defaults)
-        tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+        check_data_path(cfg.data.path)
+        check_remote_code([cfg.model.path, cfg.model.tokenizer], cfg.model.trust_remote_code)
+        tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path, cfg.model.trust_remote_code)
         inspect(cfg, tokenizer, rows=args.rows, as_json=args.json, colour=sys.stdout.isatty() and not args.json)
-    except (ConfigError, DataError, ModelError) as exc:
+    except (ConfigError, DataError, ModelError, InputError) as exc:
         err(str(exc).split("\n")[0], getattr(exc, "fix", ""))
         return EXIT_USAGE
     return 0

@@ -107,29 +107,44 @@ def _int(text: str | None, default: int) -> int:
 
 
 def cache_env(cfg: FinetuneConfig, env: dict) -> dict:
-    """Cache locations under output.dir, for what the user did not set. HOME may be
-    unwritable (non-root uid in a read-only image), and so may /tmp (--read-only)."""
-    cache = Path(cfg.output.dir) / ".cache"
+    """Where the JIT and library caches go, for what the user did not set (or set unusably): this
+    uid's private scratch, never output.dir. Triton loads the compiled launcher .so files it
+    finds in its cache, so a cache on a shared output volume would run whatever someone else
+    put there. HOME and TMPDIR follow when they are unwritable (a non-root uid on a read-only
+    root)."""
+    from verify.scratch import NoScratch, private_scratch
+
+    try:
+        base = private_scratch(env)
+    except NoScratch as exc:
+        raise LaunchError(str(exc), exc.fix) from None
     out: dict[str, str] = {}
     home = env.get("HOME", "")
     if not home or not os.access(home, os.W_OK):
-        out["HOME"] = str(cache / "home")
-        if not env.get("HF_HOME"):
-            out["HF_HOME"] = str(cache / "huggingface")
+        out["HOME"] = str(base / "home")
     tmp = env.get("TMPDIR") or "/tmp"
     if not os.access(tmp, os.W_OK):
-        out["TMPDIR"] = str(cache / "tmp")
-    for name, sub in (("XDG_CACHE_HOME", "xdg"), ("TRITON_CACHE_DIR", "triton"),
+        out["TMPDIR"] = str(base / "tmp")
+    for name, sub in (("XDG_CACHE_HOME", "xdg"), ("TRITON_CACHE_DIR", "triton"), ("HF_HOME", "huggingface"),
                       ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("MPLCONFIGDIR", "matplotlib")):
-        if not env.get(name):
-            out[name] = str(cache / sub)
+        if not _writable_or_creatable(env.get(name)):
+            out[name] = str(base / sub)
     prepare_dirs(out)
     return out
 
 
+def _writable_or_creatable(path: str | None) -> bool:
+    if not path:
+        return False
+    target = Path(path)
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    return target.is_dir() and os.access(target, os.W_OK)
+
+
 def worker_env(cfg: FinetuneConfig, topo: Topology, env: dict) -> dict:
-    """Environment for torchrun and the workers."""
-    env = {**env, **cache_env(cfg, env)}
+    """Environment for torchrun and the workers (`env` already holds the caches, cache_env)."""
+    env = dict(env)
     env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     if Path(cfg.model.path).exists():
         env.setdefault("HF_HUB_OFFLINE", "1")  # a mounted model needs no hub; never wait on DNS

@@ -140,7 +140,9 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as fh:
+        from entrypoint.rundir import open_append_nofollow
+
+        with open_append_nofollow(self.path) as fh:
             fh.write(json.dumps(record) + "\n")
             fh.flush()
             os.fsync(fh.fileno())

@@ -31,11 +31,13 @@ def _source(path: str) -> str:
     return path
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """trust_remote_code is always passed explicitly: left unset, transformers asks on stdin
+    whether to run a folder's auto_map code, and a piped `y` would answer it."""
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(_source(path))
+        tok = AutoTokenizer.from_pretrained(_source(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load tokenizer from {path}: {exc}",
                          "mount a HF model/tokenizer directory and set model.path (or model.tokenizer)") from None

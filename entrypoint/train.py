@@ -24,11 +24,13 @@ from entrypoint.console import Console
 from entrypoint.data import DataError
 from entrypoint.model import ModelError
 from entrypoint.plan import RunPlan
+from entrypoint.rundir import RunDirError
 from entrypoint.sampler import SamplerStateError
 from entrypoint.step import NonFiniteLoss
 from entrypoint.trainer import Trainer
 
-USER_ERRORS = (ConfigError, DataError, ModelError, SamplerStateError, CheckpointError, NonFiniteLoss)  # carry a fix
+USER_ERRORS = (ConfigError, DataError, ModelError, SamplerStateError, CheckpointError, NonFiniteLoss,
+               RunDirError)  # carry a fix
 ONCE_ERRORS = (DiskFull, NonFiniteLoss)
 EXIT_INTERRUPTED = 143   # 128 + SIGTERM, what a stopped container reports
 

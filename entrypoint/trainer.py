@@ -16,9 +16,10 @@ import torch
 
 from contracts.finetune_config import FinetuneConfig, parse_profile_steps
 from entrypoint.batches import MicroBatch, build_micro_batch
-from entrypoint.checkpoint import Checkpointer, CheckpointError, export_hf, list_checkpoints
+from entrypoint.checkpoint import Checkpointer, CheckpointError, list_checkpoints
 from entrypoint.console import Console
 from entrypoint.data import Corpus, read_corpus
+from entrypoint.export import export_hf
 from entrypoint.metrics import FlopModel, IntervalMeter, MetricsWriter, device_peak_flops, flop_model
 from entrypoint.model import load_model_for_sharding, load_tokenizer, materialize, resolve_attention
 from entrypoint.parallelize import DTYPES, apply_activation_checkpointing, apply_fsdp
@@ -76,7 +77,7 @@ class Trainer:
         con = Console(rank)
         out = Path(cfg.output.dir)
         torch.manual_seed(cfg.train.seed)
-        tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+        tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path, cfg.model.trust_remote_code)
         corpus = read_corpus(Path(plan.corpus))
         con.info(f"data: {len(corpus)} documents, {int(corpus.offsets[-1])} tokens from {corpus.n_rows} rows; "
                  f"bad rows: {corpus.bad.counts or 'none'}, truncated: {corpus.bad.truncated} "

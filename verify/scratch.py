@@ -10,6 +10,7 @@ Nothing here is left behind beyond the container's life: /dev/shm is memory.
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -43,6 +44,40 @@ def _usable_dir(path: str | None) -> bool:
     return os.access(target, os.W_OK)
 
 
+def private_dir(path: Path) -> Path:
+    """`path` as a folder only this uid can write (created 0700; an existing one must be a real
+    folder owned by this uid with no group/other write). JIT caches hold code that is loaded
+    later (Triton's compiled launchers), so they never live where someone else can write.
+    Raises NoScratch when `path` cannot be that."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+    except OSError:
+        raise NoScratch([str(path)]) from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022 or \
+            not os.access(path, os.W_OK):
+        raise NoScratch([f"{path} (not a private folder of uid {os.getuid()})"])
+    return path
+
+
+def private_scratch(env: os._Environ | dict = os.environ) -> Path:
+    """This uid's private scratch: under HOME when it is writable, else under the first writable
+    of TMPDIR, /tmp, /var/tmp, /dev/shm."""
+    uid = os.getuid()
+    home = env.get("HOME")
+    candidates = [Path(home) / ".cache" / "ftimage"] if home and os.path.isdir(home) and \
+        os.access(home, os.W_OK) else []
+    candidates += [Path(t) / f"ftimage-{uid}" for t in (env.get("TMPDIR"), *CANDIDATES)
+                   if t and os.path.isdir(t) and os.access(t, os.W_OK)]
+    tried = []
+    for candidate in candidates:
+        try:
+            return private_dir(candidate)
+        except NoScratch:
+            tried.append(str(candidate))
+    raise NoScratch(tried or [str(Path(c)) for c in CANDIDATES])
+
+
 def ensure_scratch(env: os._Environ | dict = os.environ) -> Path:
     """Make TMPDIR and the JIT caches writable; returns the temp dir in use. Raises NoScratch."""
     candidates = [env["TMPDIR"]] if env.get("TMPDIR") else []
@@ -53,7 +88,7 @@ def ensure_scratch(env: os._Environ | dict = os.environ) -> Path:
     if env.get("TMPDIR") != chosen:
         env["TMPDIR"] = chosen
     tempfile.tempdir = None          # gettempdir() re-reads TMPDIR on its next call
-    base = Path(chosen) / f"ftimage-verify-{os.getuid()}"
+    base = private_dir(Path(chosen) / f"ftimage-{os.getuid()}")
     for var, sub in CACHE_VARS.items():
         default = str(Path.home() / ".triton" / "cache") if var == "TRITON_CACHE_DIR" else env.get(var)
         if not _usable_dir(env.get(var) or default):

@@ -36,8 +36,8 @@ def make_lock(plan: BuildPlan, wheels: tuple[Wheel, ...], kernel_wheels: tuple[K
                          for w in sorted(wheels, key=lambda w: w.name) if w.filename not in kernel_files)
     transformers = transformers or next((p.version for p in packages if p.name == "transformers"), "")
     tc = plan.toolchain
-    # the version torch's own metadata reports (2.14.1+cu130), which is what verify compares with;
-    # the toolchain's pin may name only the public part
+    # the version torch's distribution metadata reports, which is what verify compares with
+    # (torch.__version__ adds a local label, +cu130, that the metadata of PyTorch's wheel lacks)
     torch_version = next((w.version for w in wheels if w.name == "torch"), "") or \
         next((p.version for p in packages if p.name == "torch"), "") or tc.torch_version
     return BuildLock(image=plan.spec.name, plan_key=plan.plan_key, python=tc.python, torch=torch_version,

@@ -159,20 +159,20 @@ def test_context_modes_are_set_by_the_build_not_the_umask(tmp_path):
 
 
 def test_the_lock_records_the_torch_version_its_metadata_reports(tmp_path):
-    """PyTorch's CUDA wheels are named torch-2.14.1-... and install 2.14.1+cu130: the lock must
-    record what importlib.metadata will report in the image."""
+    """The lock records what importlib.metadata will report in the image (the wheel's METADATA),
+    not the file name and not torch.__version__ (which adds +cu130 to PyTorch's CUDA wheel)."""
     from build.wheelhouse import metadata_version
 
     wheel = tmp_path / "torch-2.14.1-cp311-cp311-manylinux_2_28_x86_64.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr("torch/__init__.py", "")
-        zf.writestr("torch-2.14.1+cu130.dist-info/METADATA", "Metadata-Version: 2.1\nName: torch\n"
-                                                             "Version: 2.14.1+cu130\n\nlong description\n")
-    assert metadata_version(wheel) == "2.14.1+cu130"
+        zf.writestr("torch-2.14.1.post3.dist-info/METADATA", "Metadata-Version: 2.1\nName: torch\n"
+                                                             "Version: 2.14.1.post3\n\nlong description\n")
+    assert metadata_version(wheel) == "2.14.1.post3"
     plan = load_plan(REPO_ROOT / "images" / "qwen27b")
-    lock = make_lock(plan, (Wheel(name="torch", version="2.14.1+cu130", filename=wheel.name, sha256="0" * 64),), (),
+    lock = make_lock(plan, (Wheel(name="torch", version="2.14.1.post3", filename=wheel.name, sha256="0" * 64),), (),
                      {})
-    assert lock.torch == "2.14.1+cu130"
+    assert lock.torch == "2.14.1.post3"
 
 
 def test_the_image_drops_static_archives_with_their_record_rows():

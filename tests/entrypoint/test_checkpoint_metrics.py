@@ -2,19 +2,21 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from entrypoint.checkpoint import TRAINER_STATE, is_complete, list_checkpoints
+from entrypoint.checkpoint import MARKER, TRAINER_STATE, is_complete, list_checkpoints
 
 pytestmark = pytest.mark.unit
 
 
 def _complete(path, world=2):
     path.mkdir(parents=True)
+    (path / MARKER).write_text("{}")
     (path / ".metadata").write_bytes(b"x")
     for r in range(world):
-        (path / f"rng-rank{r}.pt").write_bytes(b"x")
+        (path / f"rng-rank{r}.json").write_bytes(b"{}")
     (path / TRAINER_STATE).write_text(json.dumps({"step": 1}))
 
 
@@ -28,6 +30,24 @@ def test_only_complete_step_dirs_count(tmp_path):
     assert not is_complete(tmp_path / ".tmp-step-00000012")
     assert not is_complete(tmp_path / "step-00000010", world_size=3)  # a rank's RNG is missing
     assert list_checkpoints(tmp_path / "absent") == []
+
+
+def test_symlinks_and_unmarked_folders_are_never_checkpoints(tmp_path):
+    """A planted `step-*` symlink to another run's checkpoint, a `checkpoints` symlink, or a
+    folder this tool did not make must never be resumed from or pruned."""
+    other = tmp_path / "other-run"
+    _complete(other / "step-00000050")
+    root = tmp_path / "mine"
+    _complete(root / "step-00000002")
+    os.symlink(other / "step-00000050", root / "step-00000099")
+    _complete(root / "step-00000003")
+    (root / "step-00000003" / MARKER).unlink()                           # not made by this tool
+    (root / "step-00000004").mkdir()
+    for name in (MARKER, ".metadata", TRAINER_STATE):
+        os.symlink(other / "step-00000050" / name, root / "step-00000004" / name)  # files through symlinks
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000002"]
+    os.symlink(other, tmp_path / "linked-root")
+    assert list_checkpoints(tmp_path / "linked-root") == []
 
 
 def test_flops_count_attention_per_document(fixture_dir):

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from contracts.finetune_config import ConfigError, FinetuneConfig, build_config
-from entrypoint.launch import LaunchError, resolve_topology, worker_env
+from entrypoint.launch import LaunchError, resolve_topology
 from tests.fixtures.chat import entrypoint_env, run_entrypoint
 
 pytestmark = pytest.mark.unit
@@ -167,23 +167,46 @@ def test_topology_c10d_and_missing_env():
         resolve_topology(_cfg(nproc_per_node=1), {"NNODES": "2", "MASTER_ADDR": "x"})
 
 
-def test_unwritable_home_moves_caches_under_output(tmp_path):
-    # `docker run -u 1234` gives HOME=/ or a path that does not exist; either way unwritable.
-    # (chmod would not bind when the tests run as root.)
+def test_jit_caches_live_in_private_scratch_never_under_output_dir(tmp_path):
+    """Triton loads the launcher .so files it finds in its cache: a cache on a shared output volume
+    would run whatever another job put there."""
+    import os
+    import stat
+
+    from entrypoint.launch import cache_env
+
     cfg = _cfg(nproc_per_node=1)
     cfg.output.dir = str(tmp_path / "out")
+    (tmp_path / "home").mkdir()
+    env = cache_env(cfg, {"HOME": str(tmp_path / "home")})
+    private = tmp_path / "home" / ".cache" / "ftimage"
+    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "HF_HOME"):
+        assert env[name].startswith(str(private)) and not env[name].startswith(cfg.output.dir), name
+    assert stat.S_IMODE(os.stat(private).st_mode) == 0o700 and "HOME" not in env
+    # `docker run -u 1234` gives HOME=/ or a path that does not exist: a private dir under TMPDIR
+    (tmp_path / "tmp").mkdir()
     for home in ("/nonexistent-home", ""):
-        env = worker_env(cfg, resolve_topology(cfg, {}), {"HOME": home})
-        assert env["HOME"].startswith(cfg.output.dir) and env["HF_HOME"].startswith(cfg.output.dir)
+        env = cache_env(cfg, {"HOME": home, "TMPDIR": str(tmp_path / "tmp")})
+        assert env["HOME"].startswith(str(tmp_path / "tmp" / f"ftimage-{os.getuid()}"))
+        assert env["TRITON_CACHE_DIR"].startswith(str(tmp_path / "tmp" / f"ftimage-{os.getuid()}"))
 
 
-def test_caches_default_under_output_dir(tmp_path):
-    cfg = _cfg(nproc_per_node=1)
-    cfg.output.dir = str(tmp_path / "out")
-    env = worker_env(cfg, resolve_topology(cfg, {}), {"HOME": str(tmp_path)})
-    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME"):
-        assert env[name].startswith(cfg.output.dir)
-    assert env["HOME"] == str(tmp_path)
+def test_a_shared_scratch_folder_someone_else_can_write_is_never_used(tmp_path):
+    import os
+
+    from verify.scratch import NoScratch, private_dir, private_scratch
+
+    planted = tmp_path / f"ftimage-{os.getuid()}"
+    planted.mkdir()
+    planted.chmod(0o777)
+    with pytest.raises(NoScratch, match="not a private folder"):
+        private_dir(planted)
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "link")
+    with pytest.raises(NoScratch):
+        private_dir(tmp_path / "link")
+    chosen = private_scratch({"HOME": "", "TMPDIR": str(tmp_path)})
+    assert chosen != planted and not chosen.is_relative_to(tmp_path)   # the next candidate (/tmp, ...)
 
 
 def test_verify_is_passed_through():

@@ -82,7 +82,7 @@ def test_checkpoint_round_trip_restores_model_and_optimizer(fixture_dir, process
     state = ckpt.load(tmp_path / "ckpt" / "step-00000003", fresh, fresh_opt)
     assert state["step"] == 3
     # the size manifest a resume checks before trusting the directory
-    assert {".metadata", "rng-rank0.pt"} <= set(state["files"]) and all(v > 0 for v in state["files"].values())
+    assert {".metadata", "rng-rank0.json"} <= set(state["files"]) and all(v > 0 for v in state["files"].values())
     assert torch.equal(torch.rand(3), after_save)  # RNG restored
     for (n, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
         torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=0, atol=0, msg=n)

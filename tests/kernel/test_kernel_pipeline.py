@@ -103,7 +103,7 @@ def test_every_verify_row_of_the_kernel_image_is_a_verdict_not_a_crash(engine, k
     assert environment_rows_that_do_not_pass(report) == []
     rows = {r["check"]: r for r in report["results"]}
     assert rows["environment.transformers"]["status"] == "SKIP"
-    assert rows["environment.torch"]["status"] == "PASS" and "+cu130" in rows["environment.torch"]["detail"]
+    assert rows["environment.torch"]["status"] == "PASS" and rows["environment.torch_cuda"]["detail"] == "13.0"
     for kernel in ("causal-conv1d", "flash-attn"):
         assert rows[f"environment.kernel.{kernel}"]["status"] == "PASS"
     for name in ("dispatch", "isolation", "fused_ops"):

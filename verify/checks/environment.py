@@ -62,8 +62,9 @@ def decide_driver(driver_version: int | None, lock_cuda: str) -> CheckResult:
 def decide_versions(lock: BuildLock, python: str, torch_version: str, torch_cuda: str | None,
                     transformers_version: str | None) -> list[CheckResult]:
     """Versions as the installed distributions' metadata report them, compared exactly with the
-    lock (which recorded the wheels' metadata): 2.14.1+cu130 matches a +cu130 lock, and a +cpu
-    torch never does."""
+    lock (which recorded the wheels' metadata). torch.__version__ is not compared: PyTorch's CUDA
+    wheel says 2.14.1+cu130 there and 2.14.1 in its metadata. A +cpu torch (metadata 2.14.1+cpu)
+    never matches, and the torch_cuda row checks the build's CUDA separately."""
     rows = []
     want_cuda = None if lock.cuda == "cpu" else lock.cuda
     pairs = [("python", lock.python, python), ("torch", lock.torch, torch_version),
