@@ -13,10 +13,12 @@ from pathlib import Path
 from build import outdir
 from build.cache import CacheLayout, default_cache_root
 from build.errors import BuildFailure
+from build.kernels.portable import ImportRefused
+from build.signing import SigningError
 from contracts.events import EventLog
 from contracts.schema import InvalidInput
 
-EXIT_OK, EXIT_BUILD_FAILED, EXIT_BAD_SPEC = 0, 1, 2
+EXIT_OK, EXIT_BUILD_FAILED, EXIT_BAD_SPEC, EXIT_REFUSED = 0, 1, 2, 3
 
 EPILOG = """\
 commands:
@@ -31,8 +33,8 @@ commands:
                                 render a deploy example for the pushed image, pinned by digest
   bootstrap-base BASE_DIR       debootstrap + docker import a base from images/_bases/<base>/base.yaml
   kernels list                  list the kernel wheel cache (a corrupt entry is named)
-  kernels export DIR            copy every cache entry to DIR (for another machine)
-  kernels import DIR            import entries from DIR, verifying each wheel's sha256
+  kernels export DIR [--sign KEY]   copy every cache entry to DIR with a manifest (signed: cosign format)
+  kernels import DIR --key PUB      import entries from DIR, proving each one (or --trust-unsigned, logged)
   kernels fetch IMAGE_DIR       download the image's pinned sources into the cache (to carry offline)
   kernels check WHEEL --image TAG --kernel NAME
                                 import a kernel wheel beside that image's torch (ABI + entry points)
@@ -92,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     except outdir.UnsafeDirectory as exc:
         print(f"error: {exc}\n    fix: {exc.fix}", file=sys.stderr)
         return EXIT_BAD_SPEC
+    except SigningError as exc:
+        print(f"error: {exc}\n    fix: {exc.fix}", file=sys.stderr)
+        return EXIT_BAD_SPEC
+    except ImportRefused as exc:
+        print(f"error: {exc}\n    fix: {exc.fix}", file=sys.stderr)
+        return EXIT_REFUSED
     except BuildFailure as exc:
         print(exc.render(), file=sys.stderr)
         return EXIT_BUILD_FAILED
@@ -205,11 +213,18 @@ def _kernels_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m build kernels", description="Manage and build kernel wheels.")
     sub = p.add_subparsers(dest="action", required=True)
     _common(sub.add_parser("list", help="list cache entries"))
-    export = sub.add_parser("export", help="copy entries to DIR")
+    export = sub.add_parser("export", help="copy entries to DIR, with a manifest (signed with --sign)")
     export.add_argument("directory", type=Path)
+    export.add_argument("--sign", type=Path, metavar="KEY", help="sign the export's manifest with this P-256 private "
+                        "key (PEM; cosign's format)")
     _common(export)
-    imp = sub.add_parser("import", help="import entries from DIR, verifying hashes")
+    imp = sub.add_parser("import", help="import entries from DIR, proving each one (exit 3 if any is refused)")
     imp.add_argument("directory", type=Path)
+    trust = imp.add_mutually_exclusive_group()
+    trust.add_argument("--key", type=Path, metavar="PUB", help="the exporter's public key: the manifest's signature "
+                       "must verify with it")
+    trust.add_argument("--trust-unsigned", action="store_true", help="import without a signature (logged): each "
+                       "entry is checked against itself only")
     _common(imp)
     fetch = sub.add_parser("fetch", help="download an image's pinned kernel sources into the cache")
     fetch.add_argument("image_dir", type=Path)
@@ -261,17 +276,26 @@ def _kernels(argv: list[str]) -> int:
             print(f"{state.key[:16]}  {m['kernel']} {m['version']}  {m['wheel']}  archs={','.join(m['archs']['sass'])}"
                   f"  compiled in {m.get('duration_s', '?')}s")
         return EXIT_OK
+    from build import signing
+    from build.kernels import portable
+
     if args.action == "export":
+        key = signing.load_private_key(args.sign) if args.sign else None
         outdir.claim(args.directory, outdir.OUTPUT_MARKER, what="export folder", option="kernels export",
                      force=args.force)
-        keys = store.export(args.directory)
-        print(f"exported {len(keys)} entries to {args.directory}")
+        keys, skipped = portable.export(store, args.directory, sign_key=key)
+        print(f"exported {len(keys)} entries to {args.directory}"
+              + (f", manifest signed by {signing.key_id(key)[:23]}..." if key else " (unsigned)"))
+        for skipped_key, why in skipped:
+            print(f"  skipped {skipped_key[:16]}: {why} (the next build that needs it rebuilds it)", file=sys.stderr)
         return EXIT_OK
-    imported, rejected = store.import_from(args.directory)
-    print(f"imported {len(imported)} entries; rejected {len(rejected)}")
+    public = signing.load_public_key(args.key) if args.key else None
+    imported, rejected = portable.import_from(store, args.directory, public_key=public,
+                                              trust_unsigned=args.trust_unsigned, log=log)
+    print(f"imported {len(imported)} entries; refused {len(rejected)}")
     for key, why in rejected:
-        print(f"  rejected {key[:64]}: {why}", file=sys.stderr)
-    return EXIT_BUILD_FAILED if rejected else EXIT_OK
+        print(f"  refused {key[:64]}: {why}", file=sys.stderr)
+    return EXIT_REFUSED if rejected else EXIT_OK
 
 
 def _kernels_check(args, log: EventLog) -> int:

@@ -132,44 +132,4 @@ class KernelStore:
                      if e.meta.get("inputs", {}).get("kernel") == name and e.meta.get("duration_s")]
         return max(durations)[1] if durations else None
 
-    # -- portability ----------------------------------------------------------------
-
-    def export(self, destination: Path) -> list[str]:
-        destination.mkdir(parents=True, exist_ok=True)
-        exported = []
-        for entry in self.entries():
-            target = destination / entry.key
-            staging = atomic.staging_dir(destination, entry.key[:16])
-            for item in entry.directory.iterdir():
-                if item.is_file():
-                    shutil.copyfile(item, staging / item.name)
-            atomic.publish_dir(staging, target, replace=target.exists())
-            exported.append(entry.key)
-        return exported
-
-    def import_from(self, source: Path) -> tuple[list[str], list[tuple[str, str]]]:
-        """Import every entry in `source`, re-hashing each wheel. Returns (imported, rejected with why)."""
-        if not source.is_dir():
-            raise BuildFailure(f"{source} is not a directory", "pass the directory written by `kernels export`")
-        imported: list[str] = []
-        rejected: list[tuple[str, str]] = []
-        for directory in sorted(p for p in source.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            key = directory.name
-            if not KEY.fullmatch(key):
-                rejected.append((key, "not a kernel key"))
-                continue
-            found = read_entry(directory, key)
-            if found.entry is None:
-                rejected.append((key, found.detail or "missing meta.json"))
-                continue
-            with self.lock(key):
-                if self.get(key):
-                    imported.append(key)
-                    continue
-                staging = self.staging(key)
-                for item in directory.iterdir():
-                    if item.is_file() and item.name != META:
-                        shutil.copyfile(item, staging / item.name)
-                self.publish(key, staging, found.entry.meta)
-                imported.append(key)
-        return imported, rejected
+    # -- portability: see build/kernels/portable.py ---------------------------------

@@ -140,23 +140,26 @@ def test_missing_manifest_entry_point_fails(kernel_smoke, tmp_path):
 
 
 def test_export_import_verifies_hashes(kernel_smoke, tmp_path):
+    from tests.fixtures.keys import write_p256_pair
+
+    private, public = write_p256_pair(tmp_path)
     export = tmp_path / "export"
-    assert run_build_cli("kernels", "export", str(export)).returncode == 0
+    assert run_build_cli("kernels", "export", str(export), "--sign", str(private)).returncode == 0
     _, entry = _kernel_entry(REPO_ROOT / "images" / "kernel-smoke", "causal-conv1d")
     assert (export / entry.key / entry.meta["wheel"]).is_file()
     fresh = tmp_path / "fresh-cache"
-    proc = run_build_cli("kernels", "import", str(export), "--cache", str(fresh))
+    proc = run_build_cli("kernels", "import", str(export), "--cache", str(fresh), "--key", str(public))
     assert proc.returncode == 0, proc.stderr
     assert KernelStore(CacheLayout(fresh)).get(entry.key).sha256 == entry.sha256
-    # A tampered export is rejected and never enters the cache.
+    # A tampered export is refused and never enters the cache.
     wheel = export / entry.key / entry.meta["wheel"]
     with open(wheel, "r+b") as fh:
         fh.seek(100)
         fh.write(b"\0tampered\0")
     other = tmp_path / "other-cache"
-    proc = run_build_cli("kernels", "import", str(export), "--cache", str(other))
-    assert proc.returncode == 1
-    assert f"rejected {entry.key}" in proc.stderr
+    proc = run_build_cli("kernels", "import", str(export), "--cache", str(other), "--key", str(public))
+    assert proc.returncode == 3
+    assert f"refused {entry.key}" in proc.stderr
     assert KernelStore(CacheLayout(other)).get(entry.key) is None
 
 

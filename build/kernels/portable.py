@@ -1,0 +1,253 @@
+"""Moving compiled kernels between machines: `kernels export DIR [--sign KEY]` and
+`kernels import DIR [--key PUB | --trust-unsigned]`.
+
+An export is a folder of cache entries plus `export-manifest.json`, which names every entry's
+key, wheel and the sha256 of its wheel and meta.json; `--sign` adds `export-manifest.json.sig`,
+a cosign-format signature of the manifest (`cosign verify-blob --key PUB --signature
+export-manifest.json.sig export-manifest.json` checks it too).
+
+Import proves what it imports, entry by entry, and refuses the rest (exit 3):
+  * an entry is exactly meta.json, its wheel and (optionally) build.log, all regular files: no
+    symlink is followed, no extra file (a `.pth`, say) is copied;
+  * the folder name is the key, and the key is recomputed from meta.json's `inputs`: an entry
+    renamed to another key, or with edited inputs, does not match;
+  * meta.json's kernel, version and archs agree with its inputs, the wheel is that kernel's
+    distribution, and the wheel and build log match their sha256;
+  * the manifest lists the entry with the same wheel and meta.json digests, and the manifest's
+    signature verifies with the key given.
+What only the signature proves: that the wheel is the one the signer's machine compiled from
+those inputs. Without a signature (`--trust-unsigned`, logged), a wheel replaced together with
+its sha256 passes every other check. Either way, every build that uses an imported wheel runs
+the in-image checks (import/ABI, entry points, SASS) before the image is tagged.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+
+from build.cache import sha256_file
+from build.errors import BuildFailure
+from build.kernels.store import KEY, META, WHEEL, KernelStore
+from build.resolve import digest
+from contracts import atomic
+
+MANIFEST = "export-manifest.json"
+SIGNATURE = MANIFEST + ".sig"
+BUILD_LOG = "build.log"
+META_LIMIT = 1 << 20
+EXIT_REFUSED = 3
+
+
+class ImportRefused(Exception):
+    def __init__(self, message: str, fix: str):
+        super().__init__(message)
+        self.fix = fix
+
+
+@dataclass(frozen=True)
+class ProvenEntry:
+    key: str
+    directory: Path
+    meta: dict
+    files: tuple[str, ...]
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except OSError:
+        return None
+
+
+def _read_small(path: Path, limit: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as fh:
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path.name} is over {limit} bytes")
+    return data
+
+
+def _copy_nofollow(src: Path, dest: Path) -> None:
+    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as fh, open(dest, "wb") as out:
+        while chunk := fh.read(1 << 20):
+            out.write(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    dest.chmod(0o644)
+
+
+def prove_entry(directory: Path, key: str) -> ProvenEntry:
+    """Everything an entry can prove about itself; ValueError says what it cannot."""
+    st = _lstat(directory)
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        raise ValueError("not a real folder (a symlink or a file)")
+    if not KEY.fullmatch(key):
+        raise ValueError("its name is not a kernel key")
+    names = sorted(os.listdir(directory))
+    for name in names:
+        entry_st = _lstat(directory / name)
+        if entry_st is None or not stat.S_ISREG(entry_st.st_mode):
+            raise ValueError(f"{name} is not a regular file (symlinks and folders are never imported)")
+    if META not in names:
+        raise ValueError("it has no meta.json")
+    meta = json.loads(_read_small(directory / META, META_LIMIT))
+    if not isinstance(meta, dict) or not isinstance(meta.get("inputs"), dict):
+        raise ValueError("meta.json has no inputs")
+    wheel = meta.get("wheel")
+    if not isinstance(wheel, str) or not WHEEL.fullmatch(wheel):
+        raise ValueError(f"meta.json names an invalid wheel {str(wheel)[:40]!r}")
+    extra = sorted(set(names) - {META, wheel, BUILD_LOG})
+    if extra:
+        raise ValueError(f"it holds files an entry never has: {', '.join(extra[:5])}")
+    if wheel not in names:
+        raise ValueError(f"{wheel} is missing")
+    inputs = meta["inputs"]
+    if meta.get("key") != key:
+        raise ValueError("meta.json's key is not the folder's name")
+    if digest(inputs) != key:
+        raise ValueError("the key recomputed from meta.json's inputs is not the folder's name: the inputs were "
+                         "edited or the entry was renamed")
+    for field in ("kernel", "version"):
+        if meta.get(field) != inputs.get(field):
+            raise ValueError(f"meta.json's {field} {meta.get(field)!r} is not its inputs' {inputs.get(field)!r}")
+    if "archs" in inputs:
+        sass = (meta.get("archs") or {}).get("sass") if isinstance(meta.get("archs"), dict) else None
+        if not isinstance(sass, list) or sorted(sass) != sorted(inputs["archs"]):
+            raise ValueError(f"meta.json's archs {sass} are not the archs its inputs asked for {inputs['archs']}")
+    try:
+        dist, version, _build, _tags = parse_wheel_filename(wheel)
+    except InvalidWheelFilename:
+        raise ValueError(f"{wheel} is not a wheel file name") from None
+    if canonicalize_name(dist) != canonicalize_name(str(inputs.get("kernel", ""))) or \
+            str(version) != str(inputs.get("version")):
+        raise ValueError(f"{wheel} is not {inputs.get('kernel')} {inputs.get('version')}")
+    if sha256_file(directory / wheel) != meta.get("sha256"):
+        raise ValueError(f"{wheel} does not match meta.json's sha256")
+    if BUILD_LOG in names and meta.get("build_log_sha256") and \
+            sha256_file(directory / BUILD_LOG) != meta["build_log_sha256"]:
+        raise ValueError("build.log does not match meta.json's build_log_sha256")
+    return ProvenEntry(key=key, directory=directory, meta=meta, files=tuple(n for n in names if n != META))
+
+
+def manifest_for(entries: list[ProvenEntry]) -> bytes:
+    body = {"format": 1, "entries": {
+        e.key: {"kernel": e.meta["kernel"], "version": e.meta["version"], "wheel": e.meta["wheel"],
+                "wheel_sha256": e.meta["sha256"], "meta_sha256": sha256_file(e.directory / META)}
+        for e in sorted(entries, key=lambda e: e.key)}}
+    return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+
+
+def export(store: KernelStore, destination: Path, *, sign_key=None) -> tuple[list[str], list[tuple[str, str]]]:
+    """Copy every cache entry that proves itself to `destination`, with the manifest (and its
+    signature). Returns (exported keys, skipped entries with why)."""
+    from build import signing
+
+    destination.mkdir(parents=True, exist_ok=True)
+    written: list[ProvenEntry] = []
+    skipped: list[tuple[str, str]] = []
+    for entry in store.entries():
+        try:
+            prove_entry(entry.directory, entry.key)
+        except (ValueError, OSError) as exc:
+            skipped.append((entry.key, str(exc)))
+            continue
+        target = destination / entry.key
+        staging = atomic.staging_dir(destination, entry.key[:16])
+        for name in (META, entry.meta["wheel"], BUILD_LOG):
+            if (entry.directory / name).is_file():
+                atomic.copy_file(entry.directory / name, staging / name)
+        atomic.publish_dir(staging, target, replace=target.exists())
+        written.append(prove_entry(target, entry.key))
+    manifest = manifest_for(written)
+    atomic.write_bytes(destination / MANIFEST, manifest)
+    if sign_key is not None:
+        atomic.write_text(destination / SIGNATURE, signing.sign(manifest, sign_key) + "\n")
+    else:
+        (destination / SIGNATURE).unlink(missing_ok=True)
+    return [e.key for e in written], skipped
+
+
+def read_manifest(source: Path, *, public_key, trust_unsigned: bool, log) -> dict | None:
+    """The export's manifest entries once its signature verified (or None with --trust-unsigned
+    and no manifest). ImportRefused otherwise."""
+    from build import signing
+
+    manifest_path, sig_path = source / MANIFEST, source / SIGNATURE
+    try:
+        manifest = _read_small(manifest_path, 64 << 20) if _lstat(manifest_path) else None
+        signature = _read_small(sig_path, 4096).decode("ascii", "replace") if _lstat(sig_path) else None
+    except (OSError, ValueError) as exc:
+        raise ImportRefused(f"{source}: the manifest or its signature is unreadable ({exc})",
+                            "export again with `kernels export DIR --sign KEY`") from None
+    if public_key is not None:
+        if manifest is None or signature is None:
+            raise ImportRefused(f"{source} is not signed (no {MANIFEST if manifest is None else SIGNATURE})",
+                                "ask for an export made with `kernels export DIR --sign KEY`, or pass "
+                                "--trust-unsigned to import it on the folder's word alone")
+        if not signing.verify(manifest, signature, public_key):
+            raise ImportRefused(f"{source}: the signature of {MANIFEST} does not verify with key "
+                                f"{signing.key_id(public_key)[:23]}... (signed by another key, or edited after "
+                                "signing)",
+                                "import with the public key of whoever exported it; never edit an export by hand")
+        log.emit("kernels", f"export signature verified with key {signing.key_id(public_key)[:23]}...")
+    elif not trust_unsigned:
+        raise ImportRefused(f"refusing to import {source} without verifying a signature",
+                            "pass --key PUB (the exporter's public key), or --trust-unsigned to import on the "
+                            "folder's word alone (logged; a replaced wheel with its sha256 updated would pass)")
+    else:
+        log.emit("kernels", f"WARNING: importing {source} WITHOUT a verified signature (--trust-unsigned): each entry "
+                 "is checked against itself only; the build's in-image checks still run before use")
+    if manifest is None:
+        return None
+    try:
+        body = json.loads(manifest)
+        entries = body["entries"]
+        if body.get("format") != 1 or not isinstance(entries, dict):
+            raise ValueError("unknown manifest format")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ImportRefused(f"{source}/{MANIFEST} is unreadable: {exc}", "export again") from None
+    return entries
+
+
+def import_from(store: KernelStore, source: Path, *, public_key=None, trust_unsigned: bool = False,
+                log) -> tuple[list[str], list[tuple[str, str]]]:
+    """Import every entry `source` proves. Returns (imported, rejected with why)."""
+    st = _lstat(source)
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        raise BuildFailure(f"{source} is not a directory", "pass the directory written by `kernels export`")
+    listed = read_manifest(source, public_key=public_key, trust_unsigned=trust_unsigned, log=log)
+    imported: list[str] = []
+    rejected: list[tuple[str, str]] = []
+    names = sorted(n for n in os.listdir(source) if not n.startswith(".") and n not in (MANIFEST, SIGNATURE))
+    for name in names:
+        try:
+            entry = prove_entry(source / name, name)
+            if listed is not None:
+                record = listed.get(name)
+                if not isinstance(record, dict):
+                    raise ValueError(f"the {'signed ' if public_key is not None else ''}manifest does not list it")
+                if record.get("wheel_sha256") != entry.meta["sha256"] or \
+                        record.get("meta_sha256") != sha256_file(entry.directory / META):
+                    raise ValueError("its wheel or meta.json is not the one the manifest lists")
+        except (ValueError, OSError) as exc:
+            rejected.append((name, str(exc)))
+            continue
+        with store.lock(entry.key):
+            if store.get(entry.key) is None:
+                staging = store.staging(entry.key)
+                for file in entry.files:
+                    _copy_nofollow(entry.directory / file, staging / file)
+                meta = {**entry.meta, "imported_from": str(source),
+                        "imported_signature": "verified" if public_key is not None else "none (--trust-unsigned)"}
+                store.publish(entry.key, staging, meta)
+        imported.append(entry.key)
+    for key in sorted(set(listed or ()) - set(names)):
+        rejected.append((key, "listed in the manifest but missing from the folder"))
+    return imported, rejected
