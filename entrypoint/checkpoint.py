@@ -167,7 +167,7 @@ class Checkpointer:
         final = self.root / step_dir_name(step)
         tmp = self.root / f"{atomic.TMP_PREFIX}{final.name}"
         if self.rank == 0:
-            real_dir(self.root.parent)
+            self.root.parent.mkdir(parents=True, exist_ok=True)   # output.dir, resolved by the launcher
             real_dir(self.root)
             if is_real_dir(tmp) and is_real_file(tmp / MARKER):
                 shutil.rmtree(tmp)
@@ -230,7 +230,9 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         loaded = {"model": model_sd, "optim": optim_sd}
         try:
-            dcp.load(loaded, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
+            reader = SafeFileSystemReader(str(path))
+            reader.read_metadata()   # refused here, by name, before DCP folds the reason into its own error
+            dcp.load(loaded, storage_reader=reader, planner=SafeLoadPlanner())
             rng = read_json_nofollow(path / rng_file(self.rank))
             rng_state.restore(rng)
         except (UnsafeCheckpoint, ValueError) as exc:
