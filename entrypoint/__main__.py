@@ -1,5 +1,6 @@
 import sys
 
+from entrypoint import init
 from entrypoint.cli import main
 
-sys.exit(main())
+sys.exit(init.run(main, sys.argv[1:]))

@@ -2,8 +2,8 @@
 info | shell, and any other argv exec'd as a plain command so the image doubles as a
 cluster base image (`docker run IMAGE id -u`, `docker run IMAGE torchrun ...`).
 
-With FTIMAGE_REQUIRE_VERIFY=1 in the environment, any other command runs through the gate
-too: verify first, and the command only if it passes.
+With FTIMAGE_REQUIRE_VERIFY=1 in the environment, any other command (and `shell`) runs through
+the gate too: verify first, and the command only if it passes.
 """
 from __future__ import annotations
 
@@ -47,10 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "info":
         return info(rest)
     if command == "shell":
-        shell = shutil.which("bash") or shutil.which("sh") or "/bin/sh"
-        return exec_command([shell, *rest])
+        argv = [shutil.which("bash") or shutil.which("sh") or "/bin/sh", *rest]
     if truthy(os.environ.get(REQUIRE_VERIFY_ENV)):
-        return gate(["--", *argv])
+        return gate(["--", *argv])   # every pass-through command, `shell -c CMD` included
     return exec_command(argv)
 
 

@@ -132,6 +132,17 @@ def test_require_verify_gates_a_plain_command_for_real():
     assert "should-not-run" not in r.stdout and "RESULT: FAIL" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_require_verify_gates_shell_too(monkeypatch):
+    from entrypoint import cli
+
+    calls = []
+    monkeypatch.setenv("FTIMAGE_REQUIRE_VERIFY", "1")
+    monkeypatch.setattr(cli, "gate", lambda argv, **kw: calls.append(argv) or 3)
+    monkeypatch.setattr(cli, "exec_command", lambda argv: pytest.fail(f"ran ungated: {argv}"))
+    assert cli.main(["shell", "-c", "echo should-not-run"]) == 3
+    assert calls and calls[0][0] == "--" and calls[0][-2:] == ["-c", "echo should-not-run"]
+
+
 def _rows(tmp_path, raw: bytes):
     path = tmp_path / "rows.jsonl"
     path.write_bytes(raw)
