@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -83,6 +84,10 @@ def _image_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if "SOURCE_DATE_EPOCH" in os.environ:   # refused before any work, not when the labels are rendered
+            from build.context.render import parse_epoch
+
+            parse_epoch(os.environ["SOURCE_DATE_EPOCH"])
         if argv and argv[0] == "bootstrap-base":
             return _bootstrap_base(argv[1:])
         if argv and argv[0] == "kernels":

@@ -20,6 +20,7 @@ from build.errors import BuildFailure
 from build.spec.schema import IMAGE_REF, SHA256
 from contracts import atomic
 from contracts.events import EventLog, Progress
+from contracts.redact import mask_url
 from contracts.schema import InvalidInput, Problem
 
 if TYPE_CHECKING:   # the pipeline imports the whole build; a push only needs the report's fields
@@ -77,6 +78,10 @@ def reference_problems(value: str, *, file: str = "--push", field: str = "") -> 
 
     if not value.strip():
         add("reference", "is empty", f"name a registry and a repository, e.g. --push {EXAMPLE}")
+        return problems
+    if mask_url(value) != value:
+        add("reference", f"{mask_url(value)[:120]!r} carries credentials or a token", "never put credentials in a "
+            "reference: `docker login REGISTRY` (or the engine's credential helper) supplies them at push time")
         return problems
     bad = sorted({c for c in value if not REFERENCE_CHARS.fullmatch(c)})
     if bad:

@@ -16,6 +16,7 @@ from build.cache import CacheLayout, sha256_file
 from build.errors import BuildFailure
 from build.spec import PinnedFile
 from contracts.events import EventLog, Progress
+from contracts.redact import mask_url
 
 
 def fetch_pinned(pinned: PinnedFile, cache: CacheLayout, log: EventLog) -> Path:
@@ -47,13 +48,13 @@ def fetch_pinned(pinned: PinnedFile, cache: CacheLayout, log: EventLog) -> Path:
             os.fsync(out.fileno())
         if digest.hexdigest() != pinned.sha256:
             raise BuildFailure(
-                f"{pinned.filename} from {pinned.url} has sha256 {digest.hexdigest()}, "
+                f"{pinned.filename} from {mask_url(pinned.url)} has sha256 {digest.hexdigest()}, "
                 f"but kernels_manifest.yaml pins {pinned.sha256}: the download is corrupt or tampered",
                 "do not re-pin blindly: check the file's origin, then fix the sha256 or the URL")
         os.replace(tmp, dest)
         progress.finish(f"{done >> 20} MiB, sha256 verified")
     except (urllib.error.URLError, OSError) as exc:
-        raise BuildFailure(f"cannot download {pinned.filename} from {pinned.url}: {exc}",
+        raise BuildFailure(f"cannot download {pinned.filename} from {mask_url(pinned.url)}: {mask_url(str(exc))}",
                            "check network access to the URL, or import the file with "
                            "`python -m build kernels import DIR` from a machine that has it") from None
     finally:

@@ -23,8 +23,9 @@ class ConfigError(InvalidInput):
     title = "the finetune config"
 
     def __str__(self) -> str:
-        return "invalid finetune config:\n" + "\n".join(f"  {p.field}: {p.problem}\n    fix: {p.fix}"
-                                                        for p in self.problems)
+        shown = "\n".join(f"  {p.field}: {p.problem}\n    fix: {p.fix}" for p in self.problems[:self.SHOWN])
+        more = len(self.problems) - self.SHOWN
+        return "invalid finetune config:\n" + shown + (f"\n  ... and {more} more problem(s)" if more > 0 else "")
 
 
 def _positive(name: str):
@@ -64,6 +65,12 @@ class DataConfig:
     max_row_bytes: int = field(default=8 << 20, metadata=rule(ge=1024, le=1 << 30, fix="set data.max_row_bytes "
                                                                "between 1 KiB and 1 GiB"))  # a longer JSONL line
     #                                       is a counted bad row, never read into memory whole
+    max_messages: int = field(default=4096, metadata=rule(ge=1, le=1 << 20, fix="set data.max_messages between 1 "
+                                                          "and 1048576"))  # a row with more messages is a counted
+    #                                       bad row, refused before it is rendered or tokenized
+    max_row_group_bytes: int = field(default=1 << 30, metadata=rule(ge=1 << 20, le=1 << 36, fix="set "
+                                     "data.max_row_group_bytes between 1 MiB and 64 GiB"))  # a parquet row group
+    #                                       larger than this (uncompressed, from its metadata) is refused unread
 
 
 @dataclass(kw_only=True)

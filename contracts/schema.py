@@ -43,9 +43,13 @@ class InvalidInput(Exception):
         self.problems = list(problems)
         super().__init__(f"{len(self.problems)} problem(s) in {self.title}")
 
+    SHOWN = 50   # a hostile file can hold 95k bad keys; the first ones say what is wrong
+
     def render(self) -> str:
         lines = [f"error: {self.title} has {len(self.problems)} problem(s):"]
-        lines += [p.render() for p in self.problems]
+        lines += [p.render() for p in self.problems[:self.SHOWN]]
+        if len(self.problems) > self.SHOWN:
+            lines.append(f"... and {len(self.problems) - self.SHOWN} more problem(s) of the same kinds")
         return "\n".join(lines)
 
 
@@ -54,10 +58,12 @@ class Problems:
 
     def __init__(self) -> None:
         self.items: list[Problem] = []
+        self._seen: set[Problem] = set()   # a set, not a list scan: 95k unknown keys must stay linear
 
     def add(self, file: str, field: str, problem: str, fix: str, code: str = "invalid") -> None:
         item = Problem(str(file), field, problem, fix, code)
-        if item not in self.items:
+        if item not in self._seen:
+            self._seen.add(item)
             self.items.append(item)
 
     def __bool__(self) -> bool:

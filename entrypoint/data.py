@@ -91,7 +91,7 @@ class Corpus:
 
 
 def read_rows(path: str, fmt: str = "auto", max_rows: int = 0, max_row_bytes: int = 8 << 20,
-              progress=None) -> Iterator[tuple[int, object]]:
+              progress=None, max_row_group_bytes: int = 1 << 30) -> Iterator[tuple[int, object]]:
     """Yield (row_number, row). A line that does not parse yields its raw text (or None when it
     is not UTF-8, or a TooLarge marker when it is over max_row_bytes), and the validator counts
     it: one bad line must not stop the file, and no line is ever held in memory whole beyond
@@ -103,7 +103,7 @@ def read_rows(path: str, fmt: str = "auto", max_rows: int = 0, max_row_bytes: in
         fmt = "parquet" if p.suffix == ".parquet" else "jsonl"
     count = 0
     if fmt == "parquet":
-        yield from _parquet_rows(p, max_rows)
+        yield from _parquet_rows(p, max_rows, max_row_group_bytes)
         return
     total = p.stat().st_size
     with p.open("rb") as fh:
@@ -140,13 +140,21 @@ class TooLarge:
     limit: int
 
 
-def _parquet_rows(p: Path, max_rows: int) -> Iterator[tuple[int, object]]:
+def _parquet_rows(p: Path, max_rows: int, max_row_group_bytes: int = 1 << 30) -> Iterator[tuple[int, object]]:
     import pyarrow.parquet as pq
 
     try:
         table = pq.ParquetFile(str(p))
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
         raise DataError(f"cannot read parquet {p}: {exc}", "check the file, or set data.format=jsonl") from None
+    # a row group is read whole: one that would not fit is refused from the footer, unread
+    for i in range(table.metadata.num_row_groups):
+        size = table.metadata.row_group(i).total_byte_size
+        if size > max_row_group_bytes:
+            raise DataError(f"{p} row group {i} is {size / 2 ** 20:.0f} MiB uncompressed, over data.max_row_group_bytes "
+                            f"({max_row_group_bytes / 2 ** 20:.0f} MiB)",
+                            "rewrite the file with smaller row groups (pyarrow row_group_size), or raise "
+                            "data.max_row_group_bytes if this host has the memory")
     count = 0
     for batch in table.iter_batches(batch_size=4096):
         for row in batch.to_pylist():
@@ -156,7 +164,7 @@ def _parquet_rows(p: Path, max_rows: int) -> Iterator[tuple[int, object]]:
             count += 1
 
 
-def validate_row(row: object, messages_field: str) -> tuple[list[dict] | None, str]:
+def validate_row(row: object, messages_field: str, max_messages: int = 4096) -> tuple[list[dict] | None, str]:
     """Return (messages, "") or (None, reason)."""
     if isinstance(row, TooLarge):
         return None, "row_too_large"
@@ -171,6 +179,8 @@ def validate_row(row: object, messages_field: str) -> tuple[list[dict] | None, s
         return None, "messages_not_a_list"
     if not messages:
         return None, "empty_messages"
+    if len(messages) > max_messages:
+        return None, "too_many_messages"
     clean = []
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
@@ -213,7 +223,7 @@ def label_tokens(offsets: np.ndarray, ids: np.ndarray, spans) -> np.ndarray:
 
 def tokenize_rows(rows: Iterator[tuple[int, object]], tokenizer, *, messages_field: str = "messages",
                   max_length: int = 8192, overlong: str = "truncate", end_of_turn: str = "auto",
-                  batch_size: int = 512, on_row=None) -> Corpus:
+                  batch_size: int = 512, on_row=None, max_messages: int = 4096) -> Corpus:
     """`on_row(rows_read)` is called after each row (progress)."""
     from entrypoint.chat_mask import Unmaskable, render
 
@@ -252,7 +262,7 @@ def tokenize_rows(rows: Iterator[tuple[int, object]], tokenizer, *, messages_fie
         n_rows += 1
         if on_row is not None:
             on_row(n_rows)
-        messages, reason = validate_row(raw, messages_field)
+        messages, reason = validate_row(raw, messages_field, max_messages)
         if messages is None:
             bad.add(reason, row)
             continue
@@ -298,9 +308,9 @@ def load_corpus(cfg, tokenizer, log=None) -> Corpus:
         progress_rows[0] = n
 
     corpus = tokenize_rows(
-        read_rows(cfg.path, cfg.format, cfg.max_rows, getattr(cfg, "max_row_bytes", 8 << 20), read_progress),
+        read_rows(cfg.path, cfg.format, cfg.max_rows, cfg.max_row_bytes, read_progress, cfg.max_row_group_bytes),
         tokenizer, messages_field=cfg.messages_field, max_length=cfg.max_length, overlong=cfg.overlong,
-        end_of_turn=cfg.end_of_turn, on_row=on_row,
+        end_of_turn=cfg.end_of_turn, on_row=on_row, max_messages=cfg.max_messages,
     )
     if progress is not None:
         progress.finish(f"{corpus.n_rows} rows -> {len(corpus)} documents, {int(corpus.offsets[-1])} tokens")
@@ -321,7 +331,7 @@ def corpus_key(cfg, tokenizer) -> str:
     st = os.stat(cfg.path)
     h = hashlib.sha256()
     h.update(json.dumps([os.path.abspath(cfg.path), st.st_size, st.st_mtime_ns, cfg.format, cfg.messages_field,
-                         cfg.max_length, cfg.overlong, cfg.end_of_turn, cfg.max_rows,
+                         cfg.max_length, cfg.overlong, cfg.end_of_turn, cfg.max_rows, cfg.max_messages,
                          tokenizer.chat_template]).encode())
     h.update(tokenizer.backend_tokenizer.to_str().encode())
     return h.hexdigest()[:24]

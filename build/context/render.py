@@ -28,6 +28,7 @@ from build.spec import REPO_ROOT
 from build.templating import render_template
 from build.wheelhouse import Wheel, requirements_lock
 from contracts.lock import LOCK_PATH, BuildLock
+from contracts.schema import InvalidInput, Problem, short
 
 # What runs in the image, and nothing else: no tests, no fixtures, no dev tools.
 APP_PACKAGES = ("contracts", "families", "verify", "entrypoint")
@@ -47,11 +48,30 @@ class RenderedContext:
     files: int
 
 
+MAX_EPOCH = 2 ** 32   # 2106: a sane timestamp; a larger one overflows tar headers and datetime
+
+
+class BadEpoch(InvalidInput):
+    title = "the environment"
+
+
+def parse_epoch(text: str) -> int:
+    """SOURCE_DATE_EPOCH as the reproducible-builds spec defines it: ASCII digits only (`isdigit`
+    also accepts '²', which int() refuses), within 0..2^32. Anything else is exit 2, never a
+    silent fallback to another time."""
+    if not text or len(text) > 10 or not all("0" <= c <= "9" for c in text) or int(text) > MAX_EPOCH:
+        raise BadEpoch([Problem("environment", "SOURCE_DATE_EPOCH", f"{short(text)} is not a Unix time in seconds "
+                                f"(ASCII digits, 0..{MAX_EPOCH})",
+                                "unset it (the build uses HEAD's commit time), or set it to e.g. "
+                                "$(git log -1 --format=%ct)", "bad-epoch")])
+    return int(text)
+
+
 def source_date_epoch() -> int:
     """SOURCE_DATE_EPOCH if set; else the commit time of HEAD, so a checkout renders reproducibly."""
     env = os.environ.get("SOURCE_DATE_EPOCH")
-    if env and env.isdigit():
-        return int(env)
+    if env is not None:
+        return parse_epoch(env)
     try:
         out = subprocess.run(["git", "-C", str(REPO_ROOT), "log", "-1", "--format=%ct"], capture_output=True,
                              text=True, timeout=10)

@@ -14,6 +14,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from build.spec.schema import ENV_NAME, LABEL_KEY, UID_RANGE, ImageSpec, Kernel, Manifest, PinnedFile
+from contracts.redact import mask_url
 from contracts.schema import InvalidInput, Problems
 
 # Labels the build itself sets: a spec may not forge the image's provenance with them.
@@ -69,7 +70,8 @@ def _url(pinned: PinnedFile, where: str, file: str, problems: Problems, *, requi
                          "give the exact https://files.pythonhosted.org/... URL of the file", "missing-field")
         return
     if not re.fullmatch(r"https://[A-Za-z0-9.-]+(?::\d{1,5})?/[A-Za-z0-9._~%+/-]*", pinned.url):
-        problems.add(file, f"{where}.url", f"only https URLs are accepted (plain, no query), got {pinned.url[:60]!r}",
+        problems.add(file, f"{where}.url", f"only https URLs are accepted (plain, no user info, no query), got "
+                     f"{mask_url(pinned.url)[:80]!r}",
                      "use the https:// URL of the file", "bad-url")
     elif not pinned.url.endswith("/" + pinned.filename):
         problems.add(file, f"{where}.url", f"URL does not end in the pinned filename {pinned.filename!r}",

@@ -135,3 +135,30 @@ def test_validate_row_keeps_only_role_and_content():
     messages, reason = validate_row({"messages": [{"role": "user", "content": "a", "extra": 1},
                                                   {"role": "assistant", "content": "b"}]}, "messages")
     assert reason == "" and messages[0] == {"role": "user", "content": "a"}
+
+
+def test_a_row_with_too_many_messages_is_refused_before_it_is_rendered(tokenizer, tmp_path):
+    """200,000 tiny messages in one row cost GBs to render; the cap counts it as a bad row first."""
+    import json
+
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": "x"} for i in range(200_000)]
+    path = tmp_path / "rows.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    path.write_text(json.dumps({"messages": messages}) + "\n" + json.dumps(good) + "\n")
+    corpus = tokenize_rows(read_rows(str(path), max_row_bytes=8 << 20), tokenizer, max_messages=4096)
+    assert corpus.bad.counts == {"too_many_messages": 1} and len(corpus) == 1
+
+
+def test_a_parquet_row_group_over_the_cap_is_refused_unread(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import os
+
+    rows = [{"messages": [{"role": "user", "content": os.urandom(2000).hex()}, {"role": "assistant", "content": "b"}]}
+            for _ in range(400)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "big.parquet", row_group_size=400)
+    with pytest.raises(DataError, match="row group 0 is .* over data.max_row_group_bytes") as info:
+        next(read_rows(str(tmp_path / "big.parquet"), max_row_group_bytes=1 << 20))
+    assert "row_group_size" in info.value.fix
+    assert len(list(read_rows(str(tmp_path / "big.parquet"), max_row_group_bytes=1 << 30))) == 400
