@@ -40,10 +40,25 @@ def _empty(path: Path) -> bool:
 CACHE_LAYOUT = {"wheels", "sources", "resolutions", "kernels", "scratch"}
 
 
+def _create_marked(path: Path, marker: str) -> None:
+    """Create `path` with its marker already inside, in one rename: a second build starting into the
+    same fresh folder sees either no folder or one that is visibly ours, never a half-made one."""
+    if path.exists() or path.is_symlink():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = atomic.staging_dir(path.parent, f"claim-{path.name}")
+    atomic.write_text(staging / marker, json.dumps({"created_by": "ftimage", "role": marker}) + "\n")
+    try:
+        os.rename(staging, path)   # replaces nothing but an empty folder; fails if another build won
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def claim(path: Path, marker: str, *, what: str, option: str, force: bool = False) -> Path:
     """Make sure `path` may be written: create it (with its marker) or adopt an empty one;
     refuse a file, a symlink, or a non-empty folder without our marker (unless force)."""
     path = Path(path)
+    _create_marked(path, marker)
     if (marker == CACHE_MARKER and path.is_dir() and not path.is_symlink() and not _owned(path, marker)
             and {p.name for p in path.iterdir()} <= CACHE_LAYOUT | {marker}):
         atomic.write_text(path / marker, json.dumps({"created_by": "ftimage", "role": marker}) + "\n")

@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -188,3 +189,31 @@ def test_a_corrupt_kernel_entry_is_named_in_the_plan_then_rebuilt(tmp_path, monk
     again = kernel_stage.provide_kernels(plan, cache=cache, engine=FakeEngine(), log=QUIET, builder_base="b")
     assert calls.count("causal-conv1d") == 2 and again.states["causal-conv1d"].startswith("miss")
     assert KernelStore(cache).get(conv.key) is not None
+
+
+def test_concurrent_first_builds_into_one_fresh_out_folder_are_never_refused(tmp_path):
+    """Two builds starting at once into the same new out/ folder: neither may see the other's
+    half-made folder as foreign."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+
+    def build(target: str) -> None:
+        from build import outdir
+
+        try:
+            for i in range(50):
+                outdir.claim(Path(target) / f"img{i}", outdir.OUTPUT_MARKER, what="output folder", option="--out")
+            results.put("ok")
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            results.put(f"{type(exc).__name__}: {exc}")
+
+    workers = [ctx.Process(target=build, args=(str(tmp_path / "out"),)) for _ in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert sorted(results.get(timeout=5) for _ in workers) == ["ok"] * 4
+    leftovers = [p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".tmp-")]
+    assert leftovers == []
