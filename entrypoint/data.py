@@ -151,8 +151,8 @@ def _parquet_rows(p: Path, max_rows: int, max_row_group_bytes: int = 1 << 30) ->
     for i in range(table.metadata.num_row_groups):
         size = table.metadata.row_group(i).total_byte_size
         if size > max_row_group_bytes:
-            raise DataError(f"{p} row group {i} is {size / 2 ** 20:.0f} MiB uncompressed, over data.max_row_group_bytes "
-                            f"({max_row_group_bytes / 2 ** 20:.0f} MiB)",
+            raise DataError(f"{p} row group {i} is {size / 2 ** 20:.0f} MiB uncompressed, over "
+                            f"data.max_row_group_bytes ({max_row_group_bytes / 2 ** 20:.0f} MiB)",
                             "rewrite the file with smaller row groups (pyarrow row_group_size), or raise "
                             "data.max_row_group_bytes if this host has the memory")
     count = 0

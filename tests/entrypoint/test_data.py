@@ -150,10 +150,10 @@ def test_a_row_with_too_many_messages_is_refused_before_it_is_rendered(tokenizer
 
 
 def test_a_parquet_row_group_over_the_cap_is_refused_unread(tmp_path):
+    import os
+
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    import os
 
     rows = [{"messages": [{"role": "user", "content": os.urandom(2000).hex()}, {"role": "assistant", "content": "b"}]}
             for _ in range(400)]
