@@ -139,13 +139,19 @@ def _image(argv: list[str]) -> int:
     plan = load_plan(Path(args.image_dir), args.manifest or MANIFEST_PATH)
     log = EventLog(json_lines=args.json_logs)
     if args.plan:
+        from build.kernels import expected_costs
+
         cache = _cache(args.cache, write=False)
+        costs = expected_costs(plan, cache)
         if args.json:
-            print(plan.to_json(), end="")
+            data = json.loads(plan.to_json())
+            for kernel in data.get("kernels", []):   # what the table shows: cache state and compile cost
+                state, cost = costs.get(kernel.get("key"), ("unknown", "unknown"))
+                kernel["cache"] = {"state": state.split(":")[0].lower(), "detail": state, "expected_compile": cost}
+            print(json.dumps(data, indent=2, sort_keys=True))
         else:
-            from build.kernels import expected_costs
             from build.plan_view import render_plan
-            print(render_plan(plan, expected_costs(plan, cache)))
+            print(render_plan(plan, costs))
         return EXIT_OK
     out_dir = args.out or Path("out") / plan.spec.name
     if args.deploy_example:

@@ -97,3 +97,9 @@ def test_a_corrupt_kernel_wheel_is_named_by_plan_and_list_and_not_deleted(tmp_pa
     code, out, err = run_cli(["kernels", "list", "--cache", str(tmp_path / "cache")])
     assert code == 0 and f"{conv.key[:16]}  CORRUPT: {wheel} has sha256" in out, out + err
     assert (entry / wheel).exists()          # reported, not silently deleted
+    # --plan --json carries the same cache state and compile cost as the table
+    code, out, err = run_cli(["images/qwen27b", "--plan", "--json", "--cache", str(tmp_path / "cache")])
+    kernels = {k["name"]: k["cache"] for k in json.loads(out)["kernels"]}
+    assert kernels["causal-conv1d"]["state"] == "corrupt" and wheel in kernels["causal-conv1d"]["detail"]
+    assert kernels["flash-attn"]["state"] == "miss" and "sources" in kernels["flash-attn"]["expected_compile"]
+    assert kernels["flash-linear-attention"]["state"] == "n/a"
