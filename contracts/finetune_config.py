@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from dataclasses import fields as dataclass_fields_of
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,6 +35,38 @@ def _positive(name: str):
 
 def _non_negative(name: str):
     return rule(ge=0, fix=f"set {name} to 0 or more")
+
+
+# The keys that change what a checkpoint means (resume refuses a change to one of them unless
+# checkpoint.allow_changed lists it; see entrypoint/resume.py). `packing.*` and `data.*` stand for
+# every key of those sections; `data.fingerprint` is the tokenized corpus's identity.
+RESUME_KEYS: dict[str, str] = {
+    "train.lr": "the schedule's peak learning rate",
+    "train.max_steps": "the schedule's length (the cosine decays over it)",
+    "train.warmup_steps": "the schedule's warmup",
+    "train.min_lr_ratio": "the schedule's floor",
+    "train.epochs": "when the run ends, and the schedule's length",
+    "train.grad_accum": "tokens per optimizer step",
+    "packing.*": "which documents form each micro-batch",
+    "data.*": "which documents the run trains on",
+    "data.fingerprint": "the tokenized corpus itself (its documents and tokens)",
+}
+
+
+def dataclass_fields(kind) -> set[str]:
+    return {f.name for f in dataclass_fields_of(kind)}
+
+
+def _resume_key(value: str):
+    import difflib
+
+    sections = {"packing": PackingConfig, "data": DataConfig}
+    section, _, name = value.partition(".")
+    if value in RESUME_KEYS or (section in sections and (name == "*" or name in dataclass_fields(sections[section]))):
+        return None
+    close = difflib.get_close_matches(value, list(RESUME_KEYS), n=1)
+    return (f"{value!r} is not a key a resume can change" + (f" (did you mean {close[0]}?)" if close else ""),
+            f"list keys from the resume table: {', '.join(RESUME_KEYS)} (or data.<key>, packing.<key>)")
 
 
 def _finite_positive(value: float):
@@ -98,6 +131,10 @@ class TrainConfig:
     seed: int = field(default=0, metadata=_non_negative("train.seed"))  # data order, init and RNG
     loss_chunk_tokens: int = field(default=4096, metadata=_non_negative("train.loss_chunk_tokens"))  # CE computed
     #                                       this many tokens at a time (recomputed in backward); 0 = all
+    epochs: int | None = field(default=None, metadata=rule(ge=1, fix="set train.epochs to 1 or more, or leave it "
+                                                           "unset to let train.max_steps alone end the run"))
+    #                                       passes over the data; the run ends at whichever of epochs and
+    #                                       max_steps comes first (unset: max_steps alone)
 
 
 @dataclass(kw_only=True)
@@ -118,6 +155,8 @@ class CheckpointConfig:
     resume: str = "auto"                  # auto (newest valid under output.dir) | never | PATH to a step dir
     export: bool = True                   # write HF safetensors (from_pretrained-loadable) at the end
     export_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    allow_changed: list[str] = field(default_factory=list, metadata=rule(each=_resume_key))  # keys a resume may
+    #                                       change (see entrypoint/resume.py); applied and logged
 
 
 @dataclass(kw_only=True)
@@ -127,7 +166,10 @@ class OutputConfig:
     profile_steps: str = ""               # "a:b" = torch.profiler trace over steps [a, b)
     peak_tflops: float = field(default=0.0, metadata=rule(ge=0.0, fix="set output.peak_tflops >= 0 "
                                                           "(0 = look the GPU up)"))
-    tensorboard: bool = False             # also write metrics as TensorBoard events (output.dir/tensorboard)
+    tensorboard: bool = False             # alias for report_to: [tensorboard]
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=list)  # trackers that get
+    #                                       every metric too; wandb/mlflow run offline unless configured
+    #                                       (WANDB_MODE, MLFLOW_TRACKING_URI); metrics.jsonl is always written
 
 
 @dataclass(kw_only=True)

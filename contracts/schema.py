@@ -234,6 +234,11 @@ class Reader:
                 return INVALID
             return self._dataclass(hint, raw, path)
         if origin in (tuple, list):
+            if self.strings_convert and isinstance(raw, str):
+                # KEY=[a, b] or KEY=a,b on a command line; items stay text and convert below
+                text = raw.strip()
+                text = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+                raw = [item.strip() for item in text.split(",") if item.strip()]
             if not isinstance(raw, list):
                 self._wrong_type(path, raw, "a list", meta)
                 return INVALID

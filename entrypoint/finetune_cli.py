@@ -54,6 +54,10 @@ def finetune(argv: list[str]) -> int:
 
     args = finetune_parser().parse_args(argv)
     flags = flag_overrides(args)
+    events = EventLog(json_lines=args.json_logs)
+    say, fail = (log, err) if not args.json_logs else (
+        lambda msg: events.emit("finetune", msg),
+        lambda msg, fix="": events.emit("finetune", msg, level="error", fix=fix))
     try:
         if args.print_config:
             print(print_config(args.config, list(args.overrides), flags))
@@ -62,17 +66,21 @@ def finetune(argv: list[str]) -> int:
         env = dict(os.environ)
         if args.json_logs:
             env[JSON_LOGS_ENV] = "1"   # the workers inherit it
-        events = EventLog(json_lines=args.json_logs)
         launch = prepare(config_file=args.config, overrides=list(args.overrides), flags=flags,
-                         allow_fallback=allow_fallback, env=env, log=log, events=events)
+                         allow_fallback=allow_fallback, env=env, log=say, events=events)
     except (ConfigError, FinetuneError) as exc:
-        err(str(exc), getattr(exc, "fix", ""))
+        fail(str(exc), getattr(exc, "fix", ""))
         return getattr(exc, "exit_code", EXIT_USAGE)
+    if launch is None:   # nothing to do (a finished run): prepare said so
+        return 0
     if args.dry_run:
         print(json.dumps({"argv": launch.argv, "plan": str(launch.plan_path)}, indent=2))
         return 0
-    log(f"[finetune] launching: {' '.join(launch.argv)}")
-    return run_torchrun(launch.argv, launch.env, launch.plan.config.output.dir)
+    say(f"[finetune] launching: {' '.join(launch.argv)}")
+    from entrypoint.supervise import run_agent
+
+    return run_agent(launch.argv, launch.env, launch.plan.config.output.dir,
+                     events=events if args.json_logs else None, log=say)
 
 
 def inspect_data(argv: list[str]) -> int:
@@ -103,38 +111,4 @@ def inspect_data(argv: list[str]) -> int:
     except (ConfigError, DataError, ModelError, InputError) as exc:
         err(str(exc).split("\n")[0], getattr(exc, "fix", ""))
         return EXIT_USAGE
-    return 0
-
-
-def run_torchrun(argv: list[str], env: dict, output_dir: str) -> int:
-    """torchrun (`python -m torch.distributed.run`), called in this process. Calling it as
-    a library instead of exec'ing it keeps its behaviour (same agent, same signals) but
-    lets a worker failure end in one clear line rather than the agent's own traceback:
-    the failing worker has already printed its ERROR with a fix."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    start = argv.index("torch.distributed.run") + 1
-    from entrypoint.train import LAUNCHER_PID_ENV
-
-    os.environ.clear()
-    os.environ.update(env)  # workers inherit the agent's environment
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())   # the agent runs here: the workers' parent
-    try:
-        run(parse_args(argv[start:]))
-    except ChildFailedError as exc:
-        codes = {f.exitcode for f in exc.failures.values()}
-        if codes <= {143, -15}:   # the workers stopped on SIGTERM after checkpointing
-            log(f"[finetune] stopped by SIGTERM; checkpoint and run_report.json are in {output_dir}; rerun the "
-                "same command to resume")
-            return 143
-        ranks = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(exc.failures.items()))
-        err(f"training failed on {ranks}; the worker's ERROR line above says why",
-            f"see {output_dir}/run_report.json; fix the cause and rerun with the same output.dir to resume")
-        return 1
-    except SignalException as exc:
-        # torchrun forwarded the signal to the workers and waited for them to checkpoint
-        log(f"[finetune] stopped by signal {exc.sigval}; rerun the same command to resume from {output_dir}")
-        return 128 + int(exc.sigval)
     return 0

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from contracts import atomic
 from contracts.finetune_config import ConfigError
 from entrypoint import collectives
+from entrypoint.agent import LAUNCHER_PID_ENV
 from entrypoint.checkpoint import CheckpointError, DiskFull
 from entrypoint.console import Console
 from entrypoint.data import DataError
@@ -32,27 +33,35 @@ from entrypoint.trainer import Trainer
 USER_ERRORS = (ConfigError, DataError, ModelError, SamplerStateError, CheckpointError, NonFiniteLoss,
                RunDirError)  # carry a fix
 ONCE_ERRORS = (DiskFull, NonFiniteLoss)
-EXIT_INTERRUPTED = 143   # 128 + SIGTERM, what a stopped container reports
 
 
 class StopRequest:
-    """SIGTERM (docker stop, a preempted pod, torchrun forwarding one) asks the run to stop at
-    the next step boundary, after a checkpoint, rather than dying mid-step."""
+    """SIGTERM (docker stop, a preempted pod) or SIGINT (Ctrl-C, passed on by the launcher) asks the
+    run to stop at the next step boundary, after a checkpoint, rather than dying mid-step. A
+    second SIGINT stops this worker at once."""
 
     def __init__(self) -> None:
         self.requested = False
-        self.signal_name = ""
-        signal.signal(signal.SIGTERM, self._handle)
+        self.signum = 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT and self.signum == signal.SIGINT:
+            os._exit(128 + signum)   # the launcher already said that nothing more is saved
         self.requested = True
-        self.signal_name = signal.Signals(signum).name
+        self.signum = signum
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or signal.SIGTERM)
 
     def __call__(self) -> bool:
         return self.requested
-
-
-LAUNCHER_PID_ENV = "FTIMAGE_LAUNCHER_PID"   # set by `finetune`, whose process runs the torchrun agent
 
 
 def die_with_launcher() -> None:
@@ -64,8 +73,8 @@ def die_with_launcher() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    # The launcher may have died before the prctl took hold. Its PID tells: in a container the
-    # launcher is PID 1 itself, so "reparented to PID 1" alone would stop every healthy run.
+    # The launcher may have died before the prctl took hold. Its PID tells (the torchrun agent's,
+    # which may itself be PID 1's child): "reparented" alone would stop every healthy run.
     launcher = os.environ.get(LAUNCHER_PID_ENV, "")
     if launcher.isdigit() and os.getppid() != int(launcher):
         os.kill(os.getpid(), signal.SIGTERM)
@@ -123,13 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if result["interrupted"]:
+        result["stop_signal"] = stop.signal_name or "another rank's"
     if rank == 0:
         status = "interrupted" if result["interrupted"] else "completed"
         write_report(report_path, plan, result, status)
-        what = "stopped by SIGTERM after a checkpoint at" if result["interrupted"] else "done:"
-        print(f"[finetune] {what} step {result['final_step']} loss {result['final_loss']:.4f}; "
-              f"report {report_path}", flush=True)
-    return EXIT_INTERRUPTED if result["interrupted"] else 0
+        Console(rank).summary(result, report_path)
+    return stop.exit_code if result["interrupted"] else 0
 
 
 if __name__ == "__main__":
