@@ -28,6 +28,16 @@ def die_with_parent() -> None:
         pass
 
 
+def quiet_torchrun() -> None:
+    """torchrun's own log lines ("Sending process N closing signal", "failed (exitcode: 143)") repeat
+    what the workers and this agent already say in one line each; keep them for real crashes only."""
+    import logging
+
+    for name in ("torch.distributed.elastic", "torch.distributed.elastic.multiprocessing.api",
+                 "torch.distributed.elastic.agent.server.api", "torch.distributed.run"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def run(output_dir: str, torchrun_args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -35,6 +45,7 @@ def run(output_dir: str, torchrun_args: list[str]) -> int:
     from torch.distributed.run import run as torchrun
 
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    quiet_torchrun()
     try:
         torchrun(parse_args(torchrun_args))
     except ChildFailedError as exc:

@@ -138,6 +138,49 @@ def read_json_nofollow(path: Path) -> dict:
     return data
 
 
+def read_state(path: Path) -> dict:
+    """trainer_state.json of a complete checkpoint whose files match their recorded sizes (a torn
+    or truncated one raises CheckpointError, and resume=auto moves on to the next newest)."""
+    if not is_complete(path):
+        raise CheckpointError(f"{path} is not a complete checkpoint",
+                              "set checkpoint.resume=auto (newest complete one), never, or a complete "
+                              "step-* directory")
+    try:
+        state = read_json_nofollow(path / TRAINER_STATE)
+        recorded = state.get("files", {})
+        if not isinstance(recorded, dict):
+            raise ValueError("files is not a mapping")
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}/{TRAINER_STATE} is unreadable: {exc}", "resume from another checkpoint") \
+            from None
+    actual = files_manifest(path)
+    damaged = [f"{name} ({actual.get(name, 'missing')} bytes, recorded {size})"
+               for name, size in recorded.items() if actual.get(name) != size]
+    if damaged:
+        raise CheckpointError(f"{path.name} is damaged: {', '.join(damaged[:3])}",
+                              "resume=auto skips it and takes the newest valid checkpoint; delete it to reclaim "
+                              "the space")
+    return state
+
+
+def resume_candidates(root: Path, mode: str) -> list[Path]:
+    """What checkpoint.resume points at, newest first: auto = every complete step-* (the first valid
+    one wins), never = none, else that one folder."""
+    if mode == "never":
+        return []
+    return list(reversed(list_checkpoints(root))) if mode == "auto" else [Path(mode)]
+
+
+def newest_valid(root: Path, mode: str) -> tuple[Path, dict] | None:
+    for path in resume_candidates(root, mode):
+        try:
+            return path, read_state(path)
+        except CheckpointError:
+            if mode != "auto":
+                raise
+    return None
+
+
 class Checkpointer:
     def __init__(self, root: Path, *, keep: int, rank: int, world_size: int, device: torch.device | None = None):
         self.root = root
@@ -201,40 +244,21 @@ class Checkpointer:
         for old in list_checkpoints(self.root)[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def read_state(self, path: Path) -> dict:
-        """trainer_state.json of a complete checkpoint whose files match their recorded sizes."""
-        if not is_complete(path, self.world_size):
-            raise CheckpointError(f"{path} is not a complete checkpoint for {self.world_size} ranks",
-                                  "set checkpoint.resume=auto (newest complete one), never, or a complete "
-                                  "step-* directory written by the same world size")
-        try:
-            state = read_json_nofollow(path / TRAINER_STATE)
-            recorded = state.get("files", {})
-            if not isinstance(recorded, dict):
-                raise ValueError("files is not a mapping")
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}/{TRAINER_STATE} is unreadable: {exc}", "resume from another checkpoint") \
-                from None
-        actual = files_manifest(path)
-        damaged = [f"{name} ({actual.get(name, 'missing')} bytes, recorded {size})"
-                   for name, size in recorded.items() if actual.get(name) != size]
-        if damaged:
-            raise CheckpointError(f"{path.name} is damaged: {', '.join(damaged[:3])}",
-                                  "resume=auto skips it and takes the newest valid checkpoint; delete it to reclaim "
-                                  "the space")
-        return state
-
     def load(self, path: Path, model, optimizer) -> dict:
         """Restore model + optimizer in place; returns trainer_state (rng restored too)."""
-        state = self.read_state(path)
+        state = read_state(path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         loaded = {"model": model_sd, "optim": optim_sd}
         try:
             reader = SafeFileSystemReader(str(path))
             reader.read_metadata()   # refused here, by name, before DCP folds the reason into its own error
             dcp.load(loaded, storage_reader=reader, planner=SafeLoadPlanner())
-            rng = read_json_nofollow(path / rng_file(self.rank))
-            rng_state.restore(rng)
+            if is_real_file(path / rng_file(self.rank)):
+                rng_state.restore(read_json_nofollow(path / rng_file(self.rank)))
+            else:   # saved by fewer ranks than this run has (DCP reshards the weights; RNG cannot be)
+                state["rng_note"] = (f"{path.name} holds no RNG state for rank {self.rank} (it was saved by "
+                                     f"{state.get('world_size', '?')} ranks); this rank's RNG continues from "
+                                     "train.seed")
         except (UnsafeCheckpoint, ValueError) as exc:
             raise CheckpointError(f"{path.name} was refused: {str(exc).splitlines()[0]}",
                                   "this checkpoint holds something other than training state; delete it, or resume "

@@ -5,10 +5,10 @@ The CLI calls `prepare` and execs the returned argv. Tests call it too.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,16 +162,63 @@ def check_inputs(cfg: FinetuneConfig, log: Callable[[str], None]) -> None:
         check_remote_code([cfg.model.path, cfg.model.tokenizer], cfg.model.trust_remote_code)
     except InputError as exc:
         raise FinetuneError(str(exc), exc.fix) from None
-    if cfg.output.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise FinetuneError("output.tensorboard=true, but the tensorboard package is not installed in this image",
-                            "add tensorboard to the image's python requirements and rebuild, or set "
-                            "output.tensorboard=false (metrics.jsonl is always written)")
+    from entrypoint.trackers import INSTALL, missing
+
+    for name in missing(cfg.output):
+        raise FinetuneError(f"output.report_to asks for {name}, but the {name} package is not installed in this "
+                            "image", f"add {INSTALL[name]} to the image's python.requirements and rebuild, or drop "
+                            f"{name} from output.report_to (metrics.jsonl is always written)")
     check_writable(cfg.output.dir)
+
+
+def preflight_resume(cfg: FinetuneConfig, log: Callable[[str], None]) -> dict | None:
+    """The checkpoint the workers will resume from (its trainer state), checked before verify and
+    before any rank: a changed key from the resume table is refused here (exit 2)."""
+    from entrypoint import resume as rs
+    from entrypoint.checkpoint import CheckpointError, newest_valid
+
+    try:
+        found = newest_valid(Path(cfg.output.dir) / "checkpoints", cfg.checkpoint.resume)
+    except CheckpointError as exc:
+        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
+    if found is None:
+        return None
+    path, state = found
+    try:
+        applied = rs.check(rs.changes(state.get("run_config", {}), rs.run_config(cfg)),
+                           list(cfg.checkpoint.allow_changed), path.name)
+    except rs.ResumeRefused as exc:
+        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
+    return {**state, "path": str(path), "changes": [c.render() for c in applied]}
+
+
+def warn_about(cfg: FinetuneConfig, corpus_path: Path, world: int, log: Callable[[str], None]) -> None:
+    """What would make the run say one thing and do another, said before it starts."""
+    from entrypoint.data import read_corpus
+    from entrypoint.sampler import PackedSampler
+
+    t = cfg.train
+    if t.warmup_steps >= t.max_steps:
+        log(f"[finetune] WARNING: train.warmup_steps ({t.warmup_steps}) >= train.max_steps ({t.max_steps}): the "
+            f"learning rate never reaches train.lr ({t.lr:g}); lower warmup_steps (e.g. {max(1, t.max_steps // 10)})")
+    corpus = read_corpus(corpus_path)
+    bad = corpus.bad.skipped
+    if corpus.n_rows and bad / corpus.n_rows > 0.10:
+        log(f"[finetune] WARNING: {bad} of {corpus.n_rows} rows ({bad / corpus.n_rows:.0%}) are bad and not trained "
+            f"on ({corpus.bad.counts}); `inspect-data` shows why")
+    sampler = PackedSampler(corpus.lengths, "bfd" if cfg.packing.mode == "packed" else "padded",
+                            cfg.packing.budget, cfg.packing.shuffle_window, t.seed, world, 0, t.grad_accum)
+    needed = world * t.grad_accum
+    if len(sampler.epoch_bins(0)) < needed:
+        log(f"[finetune] WARNING: the data makes {len(sampler.epoch_bins(0))} micro-batch(es) per epoch, fewer than "
+            f"one step needs ({world} ranks x grad_accum {t.grad_accum}); every step repeats documents. Add data, "
+            "or lower grad_accum or the number of ranks")
 
 
 def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bool, env: dict,
             log: Callable[[str], None] = print, gate: Callable[..., GateOutcome] = run_verify,
-            flags: list[str] = (), events=None) -> Launch:
+            flags: list[str] = (), events=None) -> Launch | None:
+    launched_at = time.time()
     defaults, lock = lock_layer(log)
     layers = config_layers(config_file, overrides, defaults, flags)
     cfg = build_config([layer for _, layer in layers])
@@ -181,6 +228,12 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
         caches = cache_env(cfg, env)
     except LaunchError as exc:
         raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
+    resumed = preflight_resume(cfg, log)
+    if resumed and resumed.get("complete") and not resumed["changes"]:
+        log(f"[finetune] already complete: {resumed['path']} is step {resumed['step']} of {resumed.get('total_steps')}"
+            "; nothing to do (to train further: raise train.max_steps with checkpoint.allow_changed=[train.max_steps],"
+            " or use a new output.dir)")
+        return None
 
     log("[finetune] running verify (the run stops unless it passes)")
     model_dir = cfg.model.path if (Path(cfg.model.path) / "config.json").is_file() else None
@@ -199,10 +252,13 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
     cfg.packing.mode = packing.effective
     with _process_env(caches):
         corpus = build_corpus(cfg, log, events)
+    if resumed:
+        check_fingerprint(cfg, resumed, corpus)
+    warn_about(cfg, corpus, topo.nnodes * topo.nproc_per_node, log)
     plan = RunPlan(config=cfg, config_file=config_file, overrides=list(overrides), verify=outcome.to_dict(),
                    allow_fallback=bool(allow_fallback and not outcome.passed), allow_fallback_flag=bool(allow_fallback),
                    packing=packing, lock=lock, topology=topo.__dict__, corpus=str(corpus),
-                   provenance=provenance(layers))
+                   provenance=provenance(layers), launched_at=launched_at)
     try:
         launch_dir = real_dir(Path(cfg.output.dir) / ".launch")
     except RunDirError as exc:
@@ -210,6 +266,17 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
     plan_path = plan.write(launch_dir / f"plan-node{topo.node_rank}.json")
     wenv = worker_env(cfg, topo, {**env, **caches})
     return Launch(argv=torchrun_argv(topo, plan_path), env=wenv, plan_path=plan_path, plan=plan)
+
+
+def check_fingerprint(cfg: FinetuneConfig, resumed: dict, corpus_path: Path) -> None:
+    from entrypoint import resume as rs
+    from entrypoint.data import read_corpus
+
+    change = rs.changes({}, {}, resumed.get("data_fingerprint"), read_corpus(corpus_path).fingerprint())
+    try:
+        rs.check(change, list(cfg.checkpoint.allow_changed), Path(resumed["path"]).name)
+    except rs.ResumeRefused as exc:
+        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
 
 
 def build_corpus(cfg: FinetuneConfig, log: Callable[[str], None], events=None) -> Path:

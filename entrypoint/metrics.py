@@ -7,7 +7,6 @@ a varlen kernel), and GDN layers linearly in tokens. Training = 3x forward (fwd 
 from __future__ import annotations
 
 import json
-import os
 import resource
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,38 +119,3 @@ class IntervalMeter:
         }
         out.update(peak_memory_bytes())
         return out
-
-
-class MetricsWriter:
-    """metrics.jsonl (one JSON object per line, fsynced each write so a killed run keeps its
-    log) and, with output.tensorboard, the same scalars as TensorBoard events."""
-
-    def __init__(self, out_dir: Path, enabled: bool, tensorboard: bool = False):
-        self.path = Path(out_dir) / "metrics.jsonl"
-        self.enabled = enabled
-        self.board = None
-        if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.board = SummaryWriter(log_dir=str(Path(out_dir) / "tensorboard"))
-
-    def write(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        from entrypoint.rundir import open_append_nofollow
-
-        with open_append_nofollow(self.path) as fh:
-            fh.write(json.dumps(record) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        if self.board is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.board.add_scalar(f"train/{key}", value, record["step"])
-            self.board.flush()
-
-    def close(self) -> None:
-        if self.board is not None:
-            self.board.close()

@@ -31,6 +31,7 @@ class RunPlan:
     topology: dict[str, Any]
     corpus: str = ""                   # tokenized corpus built before the ranks started
     provenance: dict[str, str] = field(default_factory=dict)   # config key -> the layer that set it
+    launched_at: float = 0.0           # time.time() when the launcher began (wall time, time to first step)
 
     @property
     def packed(self) -> bool:

@@ -29,9 +29,12 @@ class ResumeRefused(Exception):
         self.fix = fix
 
 
-def run_config(cfg: FinetuneConfig) -> dict[str, Any]:
-    """The resume-sensitive keys of `cfg`, dotted, as saved in every checkpoint."""
+def run_config(cfg: FinetuneConfig, requested_packing: str | None = None) -> dict[str, Any]:
+    """The resume-sensitive keys of `cfg`, dotted, as saved in every checkpoint. packing.mode is the
+    one the config asked for (a fallback run trains padded whatever it asked, and says so)."""
     tree = cfg.to_dict()
+    if requested_packing:
+        tree["packing"]["mode"] = requested_packing
     out = {key: tree["train"][key.split(".")[1]] for key in RESUME_KEYS if key.startswith("train.")}
     for section in ("packing", "data"):
         out.update({f"{section}.{k}": v for k, v in tree[section].items()})

@@ -70,10 +70,15 @@ class PackedSampler:
                 "window": self.window, "world_size": self.world_size, "grad_accum": self.grad_accum,
                 "n_docs": int(len(self.lengths)), "n_tokens": int(np.sum(self.lengths))}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, allow_world_change: bool = True) -> None:
+        """Continue the stream at the saved global position. The position counts micro-batches over
+        all ranks, so a different world size or grad_accum continues it exactly (each step takes
+        the next world * grad_accum items); a different stream (data, seed, packing) cannot."""
         mine = self.state_dict()
-        changed = [k for k in ("seed", "scheme", "budget", "window", "world_size", "grad_accum", "n_docs",
-                               "n_tokens") if state.get(k) != mine[k]]
+        keys = ("seed", "scheme", "budget", "window", "n_docs", "n_tokens")
+        if not allow_world_change:
+            keys += ("world_size", "grad_accum")
+        changed = [k for k in keys if state.get(k) != mine[k]]
         if changed:
             detail = ", ".join(f"{k}: checkpoint {state.get(k)!r} vs now {mine[k]!r}" for k in changed)
             raise SamplerStateError(

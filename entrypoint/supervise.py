@@ -138,7 +138,6 @@ def run_agent(torchrun_argv: list[str], env: dict, output_dir: str, *, events: E
     """Start `python -m entrypoint.agent` for this torchrun command line and supervise it."""
     start = torchrun_argv.index("torch.distributed.run") + 1
     flags = ["-I"] if sys.flags.isolated else []
-    env = {**env, "LOGLEVEL": env.get("LOGLEVEL", "ERROR")}   # torchrun's own INFO/WARNING chatter
     argv = [sys.executable, *flags, "-m", "entrypoint.agent", output_dir, *torchrun_argv[start:]]
     started = time.monotonic()
     code = Supervisor(argv, env, output_dir=output_dir, events=events, log=log).run()

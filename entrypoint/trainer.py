@@ -3,8 +3,9 @@
 build: data (tokenized once by the launcher, before the ranks started) -> sampler -> model
 (rank 0 reads weights, the others build on meta) -> activation checkpointing -> FSDP2 ->
 weights broadcast -> AdamW + transformers' warmup/cosine-with-floor schedule ->
-checkpointer. Then resume, fit (steps, logs, checkpoints; a stop request ends at the next
-step boundary with a checkpoint), finish (final checkpoint, HF export).
+checkpointer. Then resume (refusing what it would silently ignore, resume.py), fit (steps,
+logs, checkpoints; a stop request ends at the next step boundary with a checkpoint), finish
+(final checkpoint, HF export, the run's totals).
 """
 from __future__ import annotations
 
@@ -16,29 +17,49 @@ import torch
 
 from contracts.finetune_config import FinetuneConfig, parse_profile_steps
 from entrypoint.batches import MicroBatch, build_micro_batch
-from entrypoint.checkpoint import Checkpointer, CheckpointError, list_checkpoints
+from entrypoint.checkpoint import Checkpointer, CheckpointError, resume_candidates
 from entrypoint.console import Console
 from entrypoint.data import Corpus, read_corpus
 from entrypoint.export import export_hf
-from entrypoint.metrics import FlopModel, IntervalMeter, MetricsWriter, device_peak_flops, flop_model
+from entrypoint.metrics import FlopModel, IntervalMeter, device_peak_flops, flop_model
 from entrypoint.model import load_model_for_sharding, load_tokenizer, materialize, resolve_attention
 from entrypoint.parallelize import DTYPES, apply_activation_checkpointing, apply_fsdp
 from entrypoint.plan import RunPlan
 from entrypoint.profiling import StepProfiler
 from entrypoint.sampler import PackedSampler
 from entrypoint.step import NonFiniteLoss, PendingStep, StepOutcome, read_interval, run_step
+from entrypoint.summary import RunTotals
 
 __all__ = ["NonFiniteLoss", "Trainer", "schedule"]
 
 
-def schedule(optimizer, cfg: FinetuneConfig):
-    """transformers' warmup + cosine down to a floor (min_lr_rate). Its warmup starts at lr 0 at
-    step 0: the first optimizer step runs at lr 0."""
+def schedule(optimizer, cfg: FinetuneConfig, total_steps: int | None = None, at_step: int = 0):
+    """transformers' warmup + cosine down to a floor (min_lr_rate), over the run's total steps. Its
+    warmup starts at lr 0 at step 0: the first optimizer step runs at lr 0. `at_step` rebuilds
+    it mid-run (a resume that changed the schedule): the lr is the new schedule's at that step."""
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
     t = cfg.train
-    return get_cosine_with_min_lr_schedule_with_warmup(optimizer, num_warmup_steps=t.warmup_steps,
-                                                       num_training_steps=t.max_steps, min_lr_rate=t.min_lr_ratio)
+    for group in optimizer.param_groups:   # a loaded optimizer carries the old peak lr
+        group["lr"] = group["initial_lr"] = t.lr
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, num_warmup_steps=t.warmup_steps,
+                                                            num_training_steps=total_steps or t.max_steps,
+                                                            min_lr_rate=t.min_lr_ratio)
+    if at_step:
+        scheduler.last_epoch = at_step
+        for group, lr in zip(optimizer.param_groups, scheduler.get_lr()):
+            group["lr"] = lr
+        scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+    return scheduler
+
+
+def steps_for_epochs(sampler: PackedSampler, epochs: int | None, world: int, grad_accum: int) -> int | None:
+    """Optimizer steps that `epochs` passes over the data make (each epoch's own packing decides
+    its micro-batch count); None without an epoch limit."""
+    if epochs is None:
+        return None
+    bins = sum(len(sampler.epoch_bins(e)) for e in range(epochs))
+    return bins // (world * grad_accum)
 
 
 @dataclass
@@ -59,6 +80,8 @@ class Trainer:
     flops: FlopModel
     attn: str
     n_params: int
+    total_steps: int                       # min(max_steps, the steps train.epochs makes)
+    totals: RunTotals
     step: int = 0
     resumed_from: str | None = None
     last_loss: float = float("nan")
@@ -103,38 +126,78 @@ class Trainer:
                  f"param_dtype={p.param_dtype}, AC on {n_ac} layers, batches={sampler.scheme}")
 
         t = cfg.train
+        by_epochs = steps_for_epochs(sampler, t.epochs, world, t.grad_accum)
+        total_steps = min(t.max_steps, by_epochs) if by_epochs is not None else t.max_steps
+        if by_epochs is not None:
+            con.info(f"train.epochs={t.epochs}: {by_epochs} steps; the run ends after {total_steps} "
+                     f"(max_steps {t.max_steps})")
         # fused: one kernel per parameter group instead of a dozen foreach launches per step
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                                       weight_decay=t.weight_decay, fused=device.type == "cuda")
         ckpt = Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, rank=rank, world_size=world,
                             device=device)
+        totals = RunTotals(launched_at=plan.launched_at, world=world,
+                           peak_flops=device_peak_flops(cfg.output.peak_tflops))
         return cls(cfg=cfg, plan=plan, rank=rank, world=world, device=device, con=con, tokenizer=tokenizer,
                    corpus=corpus, sampler=sampler, model=model, optimizer=optimizer,
-                   scheduler=schedule(optimizer, cfg), ckpt=ckpt, flops=flops, attn=attn, n_params=n_params)
+                   scheduler=schedule(optimizer, cfg, total_steps), ckpt=ckpt, flops=flops, attn=attn,
+                   n_params=n_params, total_steps=max(total_steps, 0), totals=totals)
 
     def resume(self) -> None:
         stale = self.ckpt.clean_stale()
         if stale:
             self.con.info(f"removed unfinished checkpoint dirs from a killed run: {stale}")
         mode = self.cfg.checkpoint.resume
-        if mode == "never":
-            return
-        candidates = list(reversed(list_checkpoints(self.out / "checkpoints"))) if mode == "auto" else [Path(mode)]
-        for path in candidates:
+        for path in resume_candidates(self.out / "checkpoints", mode):
             try:
                 state = self.ckpt.load(path, self.model, self.optimizer)
             except CheckpointError as exc:
                 if mode != "auto":
                     raise
                 # the newest may be damaged (a truncated shard): take the newest valid one
-                self.con.info(f"WARNING: skipping checkpoint {path.name}: {str(exc).splitlines()[0]}")
+                self.con.warn(f"skipping checkpoint {path.name}: {str(exc).splitlines()[0]}")
                 continue
-            self.scheduler.load_state_dict(state["scheduler"])
-            self.sampler.load_state_dict(state["sampler"])
-            self.step = self.last_saved = int(state["step"])
-            self.resumed_from = str(path)
-            self.con.info(f"resumed from {path} at step {self.step}")
+            self._apply(path, state)
             return
+
+    def _apply(self, path: Path, state: dict) -> None:
+        """Continue from a loaded checkpoint: its schedule and data position, unless the config
+        changed a key the table lists and allow_changed applies it (the launcher refused the rest)."""
+        from entrypoint import resume as rs
+
+        step = int(state["step"])
+        changed = rs.changes(state.get("run_config", {}), rs.run_config(self.cfg, self.plan.packing.requested),
+                             state.get("data_fingerprint"), self.corpus.fingerprint())
+        applied = rs.check(changed, list(self.cfg.checkpoint.allow_changed), path.name)
+        if applied:
+            self.con.warn(f"resuming {path.name} with checkpoint.allow_changed: "
+                          + "; ".join(c.render() for c in applied))
+        if rs.schedule_changed(applied):
+            self.scheduler = schedule(self.optimizer, self.cfg, self.total_steps, at_step=step)
+            self.con.info(f"the learning-rate schedule was rebuilt from step {step}: lr now "
+                          f"{self.scheduler.get_last_lr()[0]:.3g}")
+        else:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if rs.stream_changed(applied):
+            self.con.warn("the data changed: its stream starts again from the beginning (documents already "
+                          "trained on may be seen again)")
+        else:
+            self.sampler.load_state_dict(state["sampler"], allow_world_change=True)
+        if state.get("rng_note"):
+            self.con.every_rank(f"WARNING: {state['rng_note']}")
+        if state.get("world_size") not in (None, self.world):
+            self.con.warn(f"{path.name} was saved by {state['world_size']} ranks and resumes on {self.world}: the "
+                          "weights and optimizer state are resharded, the data stream continues at the same "
+                          "global position")
+        self.step = self.last_saved = step
+        self.resumed_from = str(path)
+        if self.rank == 0:
+            from entrypoint.trackers import drop_records_after
+
+            dropped = drop_records_after(self.out / "metrics.jsonl", step)
+            if dropped:
+                self.con.info(f"metrics.jsonl: dropped {dropped} record(s) after step {step}, logged again now")
+        self.con.info(f"resumed from {path} at step {step}")
 
     def micro_batches(self) -> tuple[int, list[MicroBatch]]:
         epoch, bins = self.sampler.next_step()
@@ -152,33 +215,33 @@ class Trainer:
 
     def fit(self) -> None:
         cfg = self.cfg
-        metrics = MetricsWriter(self.out, enabled=self.rank == 0, tensorboard=cfg.output.tensorboard)
-        peak = device_peak_flops(cfg.output.peak_tflops)
+        from entrypoint.trackers import Metrics, requested
+
+        metrics = Metrics(self.out, enabled=self.rank == 0, trackers=requested(cfg.output),
+                          run_name=self.out.name, config=cfg.to_dict())
         window = parse_profile_steps(cfg.output.profile_steps) if cfg.output.profile_steps else None
         profiler = StepProfiler(window, self.out / "profile", self.rank, self.con.info)
         interval_start = time.perf_counter()
         started, first_step, step_seconds = time.perf_counter(), self.step, 0.0
         try:
-            while self.step < cfg.train.max_steps:
+            while self.step < self.total_steps:
                 self.step += 1
                 profiler.before_step(self.step)
                 outcome = self.train_step()
                 profiler.after_step(self.step)
+                self.totals.first_step_done()
                 self.pending.append(outcome.pending)
                 step_seconds += outcome.pending.data_s + outcome.pending.compute_s
-                if self.step % cfg.output.log_every == 0 or self.step == cfg.train.max_steps or \
+                if self.step % cfg.output.log_every == 0 or self.step == self.total_steps or \
                         outcome.stop_requested:
-                    wall = time.perf_counter() - interval_start
-                    rec = self.log_interval(wall, peak)
+                    rec = self.log_interval(time.perf_counter() - interval_start)
                     metrics.write(rec)
                     done = self.step - first_step
-                    eta = step_seconds / done * (cfg.train.max_steps - self.step) if done else None
-                    self.con.step(rec, cfg.train.max_steps, time.perf_counter() - started, eta)
+                    eta = step_seconds / done * (self.total_steps - self.step) if done else None
+                    self.con.step(rec, self.total_steps, time.perf_counter() - started, eta)
                     interval_start = time.perf_counter()
                 if outcome.stop_requested:
                     self.interrupted = True
-                    why = getattr(self.stop_requested, "signal_name", "") or "another rank"
-                    self.con.info(f"stop requested ({why}): checkpointing at step {self.step}")
                     self.save()
                     return
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
@@ -191,22 +254,27 @@ class Trainer:
             profiler.close()
             metrics.close()
 
-    def log_interval(self, wall_s: float, peak: float | None) -> dict:
+    def log_interval(self, wall_s: float) -> dict:
         """Read the interval's pending steps back (one sync) and summarise them for the log."""
         stats = read_interval(self.pending, self.device, self.step - len(self.pending) + 1)
         self.pending.clear()
         meter = IntervalMeter()
         for s in stats:
             meter.add(s, self.flops.train_flops(s.n_real, s.sum_sq), self.cfg.packing.budget)
+        self.totals.add_interval(meter.steps, meter.real_tokens, meter.flops, wall_s)
         last = stats[-1]
         self.last_loss = last.loss
         return {"step": self.step, "epoch": last.epoch, "loss": last.loss, "loss_avg": meter.mean_loss(),
                 "lr": self.scheduler.get_last_lr()[0], "grad_norm": last.grad_norm, "loss_tokens": last.n_loss,
-                **meter.summary(wall_s, self.world, peak)}
+                **meter.summary(wall_s, self.world, self.totals.peak_flops)}
 
     def save(self) -> None:
+        from entrypoint.resume import run_config
+
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict(),
-                 "data_fingerprint": self.corpus.fingerprint()}
+                 "data_fingerprint": self.corpus.fingerprint(),
+                 "run_config": run_config(self.cfg, self.plan.packing.requested),
+                 "total_steps": self.total_steps, "complete": self.step >= self.total_steps}
         self.ckpt.save(self.step, self.model, self.optimizer, state)
         self.last_saved = self.step
 
@@ -225,4 +293,5 @@ class Trainer:
                 "interrupted": self.interrupted, "bad_rows": c.bad.to_dict(), "documents": len(c),
                 "rows_read": c.n_rows, "tokens": int(c.offsets[-1]), "data_fingerprint": c.fingerprint(),
                 "exported": str(exported) if exported else None, "world_size": self.world,
-                "attn_implementation": self.attn, "n_params": self.n_params}
+                "attn_implementation": self.attn, "n_params": self.n_params, "total_steps": self.total_steps,
+                "summary": self.totals.to_dict()}

@@ -49,12 +49,14 @@ def test_sigterm_checkpoints_reports_interrupted_and_resumes(fixture_dir, tmp_pa
     assert report["status"] == "interrupted" and report["interrupted"] is True and 3 <= stopped_at < 400
     # checkpoint.every=0 writes no periodic checkpoints: this one is the stop's own
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == [f"step-{stopped_at:08d}"]
-    assert "stop requested (SIGTERM): checkpointing" in text and "Traceback" not in text
+    assert "stop requested (SIGTERM): the workers checkpoint" in text and "Traceback" not in text
+    assert f"stopped by SIGTERM after a checkpoint at step {stopped_at}" in text
     # progress lines carry elapsed time and an ETA; TensorBoard events were written beside metrics.jsonl
     assert any("elapsed" in line and "ETA" in line for line in text.splitlines() if line.startswith("[finetune] step"))
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
 
-    r = _run(fixture_dir, out, f"train.max_steps={stopped_at + 2}", "checkpoint.every=0")
+    r = _run(fixture_dir, out, f"train.max_steps={stopped_at + 2}", "checkpoint.every=0",
+             "checkpoint.allow_changed=[train.max_steps]")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / f'step-{stopped_at:08d}'} at step {stopped_at}" in r.stdout
     report = json.loads((out / "run_report.json").read_text())
@@ -70,7 +72,7 @@ def test_damaged_newest_checkpoint_is_skipped_on_resume(fixture_dir, tmp_path):
     shard = next(newest.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])   # a torn write the rename did not catch
 
-    r = _run(fixture_dir, out, "train.max_steps=6", *common)
+    r = _run(fixture_dir, out, "train.max_steps=6", "checkpoint.allow_changed=[train.max_steps]", *common)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "WARNING: skipping checkpoint step-00000004: step-00000004 is damaged" in r.stdout
     assert f"resumed from {out / 'checkpoints' / 'step-00000002'} at step 2" in r.stdout

@@ -70,7 +70,7 @@ def test_one_host_sync_per_step_and_the_interval_is_read_once(trainer):
     assert [len(c) for c in per_step] == [1, 1, 1], per_step
     assert all("step.py" in c[0] for c in per_step)
     with HostSyncCounter() as counter:
-        record = trainer.log_interval(1.0, None)
+        record = trainer.log_interval(1.0)
     assert len(counter.calls) == 1, counter.calls
     assert record["step"] == 3 and record["loss"] > 0 and record["grad_norm"] > 0 and record["loss_tokens"] > 0
     assert trainer.pending == []

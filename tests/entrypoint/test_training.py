@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from entrypoint.checkpoint import is_complete, list_checkpoints
+from entrypoint.checkpoint import MARKER, is_complete, list_checkpoints
 from entrypoint.finetune import prepare
 from entrypoint.gate import GateOutcome
 from entrypoint.launch import free_port
@@ -163,9 +163,12 @@ def test_kill_9_then_resume_matches_uninterrupted(fixture_dir, tmp_path):
     for p in ckpts.iterdir():
         if p.name.startswith("step-"):
             assert is_complete(p, world_size=2), f"{p} looks valid but is incomplete"
-    # plant what a non-atomic writer would leave: a half-written temp dir and a torn step dir
+    # plant what a killed writer leaves (a marked, half-written temp dir), a torn step dir, and a
+    # temp-looking folder this tool did not make (never deleted)
     (ckpts / ".tmp-step-00000099").mkdir()
+    (ckpts / ".tmp-step-00000099" / MARKER).write_text("{}")
     (ckpts / ".tmp-step-00000099" / "__0_0.distcp").write_bytes(b"\0" * 10)
+    (ckpts / ".tmp-not-ours").mkdir()
     (ckpts / "step-00000098").mkdir()
     (ckpts / "step-00000098" / ".metadata").write_bytes(b"torn")
     resume_from = list_checkpoints(ckpts)[-1]
@@ -174,12 +177,15 @@ def test_kill_9_then_resume_matches_uninterrupted(fixture_dir, tmp_path):
 
     log = _finish(_launch_packed(fixture_dir.config, out, *common))
     assert f"resumed from {resume_from}" in log
-    assert not (ckpts / ".tmp-step-00000099").exists()
+    assert not (ckpts / ".tmp-step-00000099").exists() and (ckpts / ".tmp-not-ours").is_dir()
     report = json.loads((out / "run_report.json").read_text())
     assert report["resumed_from"] == str(resume_from) and report["final_step"] == 12
     # keep=2: only the two newest complete checkpoints remain (the planted torn dir never counts)
     assert [p.name for p in list_checkpoints(ckpts)] == ["step-00000009", "step-00000012"]
-    got = {m["step"]: m["loss"] for m in _metrics(out)[-(12 - resume_step):]}
+    steps = [m["step"] for m in _metrics(out)]
+    assert steps == sorted(set(steps)) and steps[-1] == 12   # each step once, though steps after the
+    #                                                         checkpoint were logged before the kill too
+    got = {m["step"]: m["loss"] for m in _metrics(out) if m["step"] > resume_step}
     assert sorted(got) == list(range(resume_step + 1, 13))
     for step, loss in got.items():
         assert loss == pytest.approx(want[step], abs=1e-4), (step, loss, want[step])

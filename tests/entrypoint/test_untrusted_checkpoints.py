@@ -144,14 +144,14 @@ def test_prune_deletes_only_marked_real_step_folders(group, tmp_path):
 
 
 def test_metrics_are_never_appended_through_a_symlink(tmp_path):
-    from entrypoint.metrics import MetricsWriter
+    from entrypoint.trackers import Metrics
 
     target = tmp_path / "victim.log"
     target.write_text("theirs\n")
     out = tmp_path / "out"
     out.mkdir()
     os.symlink(target, out / "metrics.jsonl")
-    writer = MetricsWriter(out, enabled=True)
+    writer = Metrics(out, enabled=True)
     with pytest.raises(RunDirError, match="is a symlink"):
         writer.write({"step": 1, "loss": 1.0})
     assert target.read_text() == "theirs\n"

@@ -1,0 +1,58 @@
+"""What a run refuses or warns about before any rank starts (no training)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from contracts.finetune_config import ConfigError, build_config
+from entrypoint.finetune import FinetuneError, prepare
+from entrypoint.gate import GateOutcome
+from tests.fixtures.chat import entrypoint_env
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("key, value, field", [
+    ("output", {"report_to": ["tensorboard", "neptune"]}, "output.report_to[1]"),
+    ("checkpoint", {"allow_changed": ["train.lrr"]}, "checkpoint.allow_changed[0]"),
+    ("checkpoint", {"allow_changed": ["model.path"]}, "checkpoint.allow_changed[0]"),
+    ("train", {"epochs": 0}, "train.epochs"),
+    ("train", {"epochs": -3}, "train.epochs"),
+])
+def test_bad_run_keys_name_the_field_and_the_fix(key, value, field):
+    with pytest.raises(ConfigError) as info:
+        build_config([{key: value}], require_paths=False)
+    problem = next(p for p in info.value.problems if p.field == field)
+    assert problem.fix
+    if value == {"allow_changed": ["train.lrr"]}:
+        assert "did you mean train.lr" in problem.problem and "train.max_steps" in problem.fix
+
+
+def _passing_gate(**_):
+    return GateOutcome(passed=True, worst="PASS", table="(stand-in)", report={})
+
+
+def test_a_tracker_that_is_not_installed_is_a_config_error(fixture_dir, tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(FinetuneError) as info:
+        prepare(config_file=str(fixture_dir.config), overrides=[f"output.dir={tmp_path}", "output.report_to=[wandb]"],
+                allow_fallback=False, env=entrypoint_env(), log=lambda m: None, gate=_passing_gate)
+    assert "wandb package is not installed" in str(info.value) and "python.requirements" in info.value.fix
+
+
+def test_warnings_for_a_schedule_bad_rows_and_too_little_data(fixture_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello you"}]}
+    data.write_text("\n".join([json.dumps(good)] * 2 + ["{broken"] * 3 + [json.dumps({"x": 1})]) + "\n")
+    said: list[str] = []
+    prepare(config_file=str(fixture_dir.config), allow_fallback=False, env=entrypoint_env(), log=said.append,
+            gate=_passing_gate, overrides=[f"output.dir={tmp_path / 'out'}", f"data.path={data}", "train.max_steps=3",
+                                           "train.warmup_steps=50", "launch.nproc_per_node=2", "train.grad_accum=2"])
+    text = "\n".join(said)
+    assert "train.warmup_steps (50) >= train.max_steps (3)" in text
+    assert "4 of 6 rows (67%) are bad" in text
+    assert "fewer than one step needs (2 ranks x grad_accum 2)" in text
