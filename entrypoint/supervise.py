@@ -86,6 +86,7 @@ class Supervisor:
         self.log = log
         self.stops: list[int] = []
         self.proc: subprocess.Popen | None = None
+        self.killed = False            # stopped at once by a second Ctrl-C
 
     def _on_signal(self, signum, _frame) -> None:
         self.stops.append(signum)
@@ -113,7 +114,7 @@ class Supervisor:
                     handled += 1
             for pump in pumps:
                 pump.join(timeout=10)
-            return code
+            return 128 + signal.SIGINT if self.killed else code
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -130,6 +131,7 @@ class Supervisor:
             return   # a repeated SIGTERM changes nothing: the checkpoint is on its way
         everything = [self.proc.pid, *descendants(self.proc.pid)]
         _signal(everything, signal.SIGKILL)
+        self.killed = True
         self.log("[finetune] stopped at once by a second Ctrl-C: nothing more was saved; rerun the same command to "
                  f"resume from the newest checkpoint in {self.output_dir}/checkpoints")
 

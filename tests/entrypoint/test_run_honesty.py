@@ -142,3 +142,29 @@ def test_one_json_stream_trackers_epochs_and_the_summary(fixture_dir, tmp_path):
         got = read(out)
         assert sorted(got) == sorted(losses), name
         assert all(got[s] == pytest.approx(losses[s], rel=1e-6) for s in losses), name
+
+
+def test_a_second_ctrl_c_stops_at_once_and_says_nothing_more_was_saved(fixture_dir, tmp_path):
+    out = tmp_path / "out"
+    log = (tmp_path / "run.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "entrypoint", "finetune", "--config", str(fixture_dir.config),
+                             "--allow-fallback", f"output.dir={out}", "train.max_steps=400", "checkpoint.every=0",
+                             "checkpoint.export=false", "output.log_every=1"],
+                            cwd=REPO, env=entrypoint_env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not any(m["step"] >= 2 for m in _metrics(out)):
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)
+    text = ""
+    while "Ctrl-C again" not in text:
+        assert proc.poll() is None and time.monotonic() < deadline, text[-3000:]
+        time.sleep(0.01)
+        text = (tmp_path / "run.log").read_text()
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    text = (tmp_path / "run.log").read_text()
+    assert "stopped at once by a second Ctrl-C: nothing more was saved" in text and "Traceback" not in text
+    workers = subprocess.run(["pgrep", "-f", f"entrypoint.train --plan {out}"], capture_output=True, text=True)
+    assert workers.stdout.strip() == ""    # no worker lives on
