@@ -49,8 +49,7 @@ def batches(scheme: str, budget: int, n_docs: int, steps: int, vocab: int, seed:
     tokens = rng.integers(1, vocab, int(lengths.sum()), dtype=np.int32)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    corpus = Corpus(tokens=tokens, labels=tokens.copy(), offsets=offsets, rows=np.arange(len(lengths)),
-                    bad=BadRows(), n_rows=len(lengths))
+    corpus = Corpus.from_arrays(tokens, tokens.copy(), offsets, np.arange(len(lengths)), BadRows(), len(lengths))
     order = rng.permutation(len(lengths))
     bins = pack_windows(lengths, order, "bfd" if scheme == "packed" else "padded", budget,
                         len(lengths), np.random.default_rng(seed))

@@ -35,8 +35,7 @@ def synthetic_corpus(n_docs: int, budget: int, seed: int) -> Corpus:
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, 150_000, size=int(offsets[-1]), dtype=np.int32)
     labels = np.where(rng.random(len(tokens)) < 0.6, tokens, IGNORE).astype(np.int32)
-    return Corpus(tokens=tokens, labels=labels, offsets=offsets, rows=np.arange(n_docs), bad=BadRows(),
-                  n_rows=n_docs)
+    return Corpus.from_arrays(tokens, labels, offsets, np.arange(n_docs), BadRows(), n_docs)
 
 
 def run(corpus: Corpus, mode: str, budget: int, window: int) -> dict:
@@ -70,7 +69,7 @@ def main(argv=None) -> int:
     except (AttributeError, OSError):
         pass
     corpus = synthetic_corpus(args.docs, args.budget, seed=0)
-    print(f"corpus: {len(corpus):,} docs, {int(corpus.offsets[-1]):,} tokens; budget {args.budget}; 1 core")
+    print(f"corpus: {len(corpus):,} docs, {corpus.n_tokens:,} tokens; budget {args.budget}; 1 core")
     modes = ["packed", "padded"] if args.mode == "both" else [args.mode]
     results = [run(corpus, m, args.budget, args.window) for m in modes]
     for r in results:

@@ -69,6 +69,13 @@ def _resume_key(value: str):
             f"list keys from the resume table: {', '.join(RESUME_KEYS)} (or data.<key>, packing.<key>)")
 
 
+def _eval_fraction(value: float):
+    if not math.isfinite(value) or value < 0 or value > 0.5:
+        return (f"must be in (0, 0.5], got {value!r}", "hold out a share of the documents between 0 and 0.5, e.g. "
+                "0.02, or set data.eval_path instead (0 = no evaluation data)")
+    return None
+
+
 def _finite_positive(value: float):
     if not math.isfinite(value) or value <= 0:
         return f"must be a finite number > 0, got {value!r}", "set a positive learning rate, e.g. 2e-5"
@@ -85,9 +92,36 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
+class SourceConfig:
+    """One entry of data.sources: a source and its share of the documents."""
+
+    path: str                             # a file, a folder of files, a glob or a save_to_disk folder
+    weight: float = field(default=1.0, metadata=rule(check=lambda w: _positive_weight(w)))  # share of documents
+    format: Literal["auto", "jsonl", "json", "parquet", "arrow", "disk"] = "auto"
+    schema: Literal["", "messages", "sharegpt", "alpaca", "text", "prompt_completion"] = ""  # "" = data.schema
+    split: str = ""                       # a split of a local dataset folder ("" = every file)
+
+
+def _positive_weight(value: float):
+    if not math.isfinite(value) or value <= 0:
+        return (f"must be a finite number > 0, got {value!r}", "give each source a positive weight: its share of "
+                "the documents (weights are normalised)")
+    return None
+
+
+@dataclass(kw_only=True)
 class DataConfig:
-    path: str = ""                        # chat data: .jsonl/.json (one row per line) or .parquet
-    format: Literal["auto", "jsonl", "parquet"] = "auto"
+    path: str = ""                        # a file (.jsonl, .json, .parquet, .arrow), a folder of them, a glob,
+    #                                       a save_to_disk folder, or a local dataset folder (with data.split)
+    format: Literal["auto", "jsonl", "json", "parquet", "arrow", "disk"] = "auto"  # auto: from the file names
+    schema: Literal["messages", "sharegpt", "alpaca", "text", "prompt_completion"] = "messages"  # row layout
+    split: str = ""                       # the split to read from a dataset folder, e.g. train_sft ("" = all)
+    sources: list[SourceConfig] = field(default_factory=list)  # a weighted mixture instead of data.path
+    eval_path: str = ""                   # held-out data for evaluation (same forms as data.path)
+    eval_fraction: float = field(default=0.0, metadata=rule(check=lambda f: _eval_fraction(f)))  # or hold out
+    #                                       this share of the documents (0 = none; at most 0.5)
+    num_proc: int = field(default=0, metadata=rule(ge=0, le=256, fix="set data.num_proc in 0..256 (0 = one per "
+                                                   "core, up to 16)"))  # tokenizer processes
     messages_field: str = "messages"      # column holding the list of {role, content}
     max_length: int = field(default=8192, metadata=_positive("data.max_length"))  # longest document in
     #                                       tokens; must be <= packing.budget
@@ -131,6 +165,10 @@ class TrainConfig:
     seed: int = field(default=0, metadata=_non_negative("train.seed"))  # data order, init and RNG
     loss_chunk_tokens: int = field(default=4096, metadata=_non_negative("train.loss_chunk_tokens"))  # CE computed
     #                                       this many tokens at a time (recomputed in backward); 0 = all
+    eval_every: int = field(default=0, metadata=_non_negative("train.eval_every"))  # evaluate every N steps
+    #                                       (and at the end); needs data.eval_path or data.eval_fraction
+    early_stopping_patience: int = field(default=0, metadata=_non_negative("train.early_stopping_patience"))
+    #                                       stop after this many evals without a better eval loss (0 = never)
     epochs: int | None = field(default=None, metadata=rule(ge=1, fix="set train.epochs to 1 or more, or leave it "
                                                            "unset to let train.max_steps alone end the run"))
     #                                       passes over the data; the run ends at whichever of epochs and
@@ -155,8 +193,17 @@ class CheckpointConfig:
     resume: str = "auto"                  # auto (newest valid under output.dir) | never | PATH to a step dir
     export: bool = True                   # write HF safetensors (from_pretrained-loadable) at the end
     export_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    keep_best: bool = False               # keep the checkpoint with the best eval loss beside the newest `keep`
     allow_changed: list[str] = field(default_factory=list, metadata=rule(each=_resume_key))  # keys a resume may
     #                                       change (see entrypoint/resume.py); applied and logged
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    samples: int = field(default=0, metadata=rule(ge=0, le=1024, fix="set eval.samples in 0..1024"))  # greedy
+    #                                       completions of held-out prompts written to samples.jsonl per eval
+    max_new_tokens: int = field(default=64, metadata=rule(ge=1, le=4096, fix="set eval.max_new_tokens in "
+                                                          "1..4096"))  # fixed length: every rank generates in lockstep
 
 
 @dataclass(kw_only=True)
@@ -193,6 +240,7 @@ class FinetuneConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
@@ -268,8 +316,25 @@ def cross_field_problems(cfg: FinetuneConfig, *, require_paths: bool = True) -> 
     problems = []
     if require_paths and not cfg.model.path:
         problems.append(("model.path", "not set", "set model.path to a mounted HF model directory"))
-    if require_paths and not cfg.data.path:
-        problems.append(("data.path", "not set", "set data.path to a .jsonl or .parquet chat file"))
+    d = cfg.data
+    if require_paths and not d.path and not d.sources:
+        problems.append(("data.path", "not set", "set data.path to a data file, folder or glob (or data.sources)"))
+    if d.path and d.sources:
+        problems.append(("data.sources", "set together with data.path", "use one: data.path for one source, or "
+                         "data.sources (each with its path and weight) for a mixture"))
+    if d.eval_path and d.eval_fraction:
+        problems.append(("data.eval_fraction", "set together with data.eval_path", "use one: held-out data "
+                         "(eval_path) or a held-out share of the training documents (eval_fraction)"))
+    has_eval = bool(d.eval_path or d.eval_fraction)
+    if cfg.train.eval_every and not has_eval:
+        problems.append(("train.eval_every", f"{cfg.train.eval_every}, but there is no evaluation data",
+                         "set data.eval_path or data.eval_fraction, or train.eval_every=0"))
+    if (cfg.train.early_stopping_patience or cfg.checkpoint.keep_best or cfg.eval.samples) and \
+            not cfg.train.eval_every:
+        key = "train.early_stopping_patience" if cfg.train.early_stopping_patience else \
+            "checkpoint.keep_best" if cfg.checkpoint.keep_best else "eval.samples"
+        problems.append((key, "needs evaluations, but train.eval_every is 0", "set train.eval_every (and "
+                         "data.eval_path or data.eval_fraction)"))
     if cfg.data.max_length > cfg.packing.budget:
         problems.append(("data.max_length", f"{cfg.data.max_length} exceeds packing.budget {cfg.packing.budget}",
                          "lower data.max_length or raise packing.budget; a document must fit one micro-batch"))

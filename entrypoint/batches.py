@@ -33,7 +33,7 @@ class MicroBatch:
 
 def build_micro_batch(corpus: Corpus, doc_ids: list[int], *, packed: bool, budget: int,
                       pad_token_id: int) -> MicroBatch:
-    lengths = [int(corpus.offsets[i + 1] - corpus.offsets[i]) for i in doc_ids]
+    lengths = [int(corpus.lengths[i]) for i in doc_ids]
     if packed:
         batch = collate_packed([corpus.document(i) for i in doc_ids], budget, pad_token_id)
         labels = batch.pop("labels")
@@ -47,9 +47,8 @@ def _collate_padded(corpus: Corpus, doc_ids: list[int], lengths: list[int], pad_
     labels = np.full((len(doc_ids), width), IGNORE_INDEX, dtype=np.int64)
     mask = np.zeros((len(doc_ids), width), dtype=np.int64)
     for row, (i, n) in enumerate(zip(doc_ids, lengths)):
-        a = int(corpus.offsets[i])
-        ids[row, :n] = corpus.tokens[a:a + n]
-        labels[row, 1:n] = corpus.labels[a + 1:a + n]  # same first-token rule as collate_packed
+        ids[row, :n] = corpus.doc_tokens(i)
+        labels[row, 1:n] = corpus.doc_labels(i)[1:]  # same first-token rule as collate_packed
         mask[row, :n] = 1
     return MicroBatch(
         inputs={"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)},

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 SENTINEL = "\ue000FTIMAGE{}\ue001"   # private-use code points: never produced by a real chat row
+REASONING = "\ue000FTIMAGER{}\ue001"  # the same, for a message's reasoning_content
+_MARK = re.compile("\ue000FTIMAGE(R?)(\\d+)\ue001")
 # How templates commonly transform content before printing it; tried in this order.
 TRANSFORMS = (lambda c: c, str.strip, lambda c: c.lstrip("\n"), str.rstrip, str.lstrip)
 
@@ -40,6 +42,7 @@ class Unmaskable(Exception):
 class Rendered:
     text: str
     spans: tuple[tuple[int, int], ...]   # character spans trained on, in order
+    reasoning_dropped: int = 0           # reasoning_content the template did not render (not an error)
 
 
 def has_generation_tags(template: str | None) -> bool:
@@ -55,40 +58,75 @@ def special_texts(tokenizer) -> tuple[str, ...]:
     return tuple(sorted((t for t in texts if t), key=len, reverse=True))
 
 
-def render_with_spans(tokenizer, messages: list[dict], eot: str) -> Rendered:
-    """The rendered chat and the character spans of each assistant reply (+ its end of turn)."""
-    specials = special_texts(tokenizer)
+def _refuse_special_tokens(tokenizer, messages: list[dict]) -> None:
     for m in messages:
-        for text in specials:
-            if text in m["content"]:
-                raise Unmaskable("content_has_special_token", f"{text!r} in a {m['role']} message")
+        for text in special_texts(tokenizer):
+            for field in ("content", "reasoning_content"):
+                if text in m.get(field, ""):
+                    raise Unmaskable("content_has_special_token", f"{text!r} in a {m['role']} message")
+
+
+def render_with_spans(tokenizer, messages: list[dict], eot: str) -> Rendered:
+    """The rendered chat and the character spans of each assistant reply (+ its end of turn). A
+    reply's reasoning_content, where the template renders it (Qwen-style templates do only after
+    the last user message), is part of the reply's span: the model generates it."""
+    _refuse_special_tokens(tokenizer, messages)
     real = tokenizer.apply_chat_template(messages, tokenize=False)
-    marked = [{**m, "content": SENTINEL.format(i)} for i, m in enumerate(messages)]
+    marked = []
+    for i, m in enumerate(messages):
+        item = {**m, "content": SENTINEL.format(i)}
+        if "reasoning_content" in m:
+            item["reasoning_content"] = REASONING.format(i)
+        marked.append(item)
     skeleton = tokenizer.apply_chat_template(marked, tokenize=False)
-    parts = re.split("(" + re.escape(SENTINEL).replace("\\{\\}", r"\d+") + ")", skeleton)
-    # parts alternate: template text, sentinel, template text, sentinel, ..., template text
-    sentinels = parts[1::2]
-    order = [int(re.search(r"\d+", s).group()) for s in sentinels]
-    if order != list(range(len(messages))):
-        raise Unmaskable("template_dropped_message", f"rendered messages {order}, expected {len(messages)}")
-    pos, spans = 0, []
-    for i, message in enumerate(messages):
-        before, after = parts[2 * i], parts[2 * i + 2]
+    texts = _MARK.split(skeleton)
+    # texts: template text, (kind, index), template text, (kind, index), ..., template text
+    marks = [(texts[k] == "R", int(texts[k + 1])) for k in range(1, len(texts) - 1, 3)]
+    between = texts[0::3]
+    if [i for is_reasoning, i in marks if not is_reasoning] != list(range(len(messages))):
+        raise Unmaskable("template_dropped_message", f"rendered {marks}, expected {len(messages)} messages")
+    rendered_reasoning = {i for is_reasoning, i in marks if is_reasoning}
+    for n, (is_reasoning, i) in enumerate(marks):
+        if is_reasoning and (n + 1 >= len(marks) or marks[n + 1] != (False, i)):
+            raise Unmaskable("template_rewrote_content", f"message {i}'s reasoning is not right before its content")
+    pos, spans, reply_start = 0, [], None
+    for n, (is_reasoning, i) in enumerate(marks):
+        before = between[n]
         if not real.startswith(before, pos):
             raise Unmaskable("template_rewrote_content", f"the template text before message {i} differs")
         pos += len(before)
-        content = _match_content(real, pos, message["content"], after, last=i == len(messages) - 1)
+        message = messages[i]
+        text = message["reasoning_content"] if is_reasoning else message["content"]
+        content = _match_content(real, pos, text, between[n + 1], last=n == len(marks) - 1)
         start, pos = pos, pos + len(content)
+        if is_reasoning:
+            reply_start = _generation_start(tokenizer, messages[:i], real, start)
+            continue
         if message["role"] == "assistant":
             end = pos
             rest = real[pos:]
             gap = len(rest) - len(rest.lstrip())
             if eot and real.startswith(eot, pos + gap):
                 end = pos + gap + len(eot)
-            spans.append((start, end))
-    if real[pos:] != parts[-1]:
+            spans.append((reply_start if reply_start is not None else start, end))
+        reply_start = None
+    if real[pos:] != between[-1]:
         raise Unmaskable("template_rewrote_content", "the template text after the last message differs")
-    return Rendered(text=real, spans=tuple(spans))
+    dropped = sum(1 for i, m in enumerate(messages) if "reasoning_content" in m and i not in rendered_reasoning)
+    return Rendered(text=real, spans=tuple(spans), reasoning_dropped=dropped)
+
+
+def _generation_start(tokenizer, history: list[dict], real: str, reasoning_start: int) -> int:
+    """Where the model's own text begins in a turn with reasoning: right after what the template's
+    generation prompt supplies (`<|im_start|>assistant\n`), so the `<think>` markup the model
+    writes before its reasoning is trained too. Falls back to the reasoning itself."""
+    try:
+        prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template may refuse a history (e.g. one that ends on an assistant)
+        return reasoning_start
+    if real.startswith(prompt) and len(prompt) <= reasoning_start:
+        return len(prompt)
+    return reasoning_start
 
 
 def _match_content(real: str, pos: int, content: str, after: str, last: bool) -> str:
@@ -115,9 +153,6 @@ def render(tokenizer, messages: list[dict], eot: str) -> Rendered:
     """The one entry point: transformers' generation spans when the template has them, else the
     anchored sentinel render. Special-token text in content is refused on both paths."""
     if has_generation_tags(tokenizer.chat_template):
-        for m in messages:
-            for text in special_texts(tokenizer):
-                if text in m["content"]:
-                    raise Unmaskable("content_has_special_token", f"{text!r} in a {m['role']} message")
+        _refuse_special_tokens(tokenizer, messages)
         return render_tagged(tokenizer, messages)
     return render_with_spans(tokenizer, messages, eot)

@@ -206,7 +206,9 @@ class Checkpointer:
         self.barrier()
         return removed
 
-    def save(self, step: int, model, optimizer, trainer_state: dict) -> Path:
+    def save(self, step: int, model, optimizer, trainer_state: dict, protect: int | None = None) -> Path:
+        """Write step `step` (all ranks); prune to the newest `keep`, never deleting step `protect`
+        (the best eval's checkpoint, checkpoint.keep_best)."""
         final = self.root / step_dir_name(step)
         tmp = self.root / f"{atomic.TMP_PREFIX}{final.name}"
         if self.rank == 0:
@@ -236,13 +238,14 @@ class Checkpointer:
                 shutil.rmtree(final)
             os.rename(tmp, final)
             atomic.fsync_dir(self.root)
-            self._prune()
+            self._prune(protect)
         self.barrier()
         return final
 
-    def _prune(self) -> None:
+    def _prune(self, protect: int | None = None) -> None:
         for old in list_checkpoints(self.root)[:-self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if step_of(old) != protect:
+                shutil.rmtree(old, ignore_errors=True)
 
     def load(self, path: Path, model, optimizer) -> dict:
         """Restore model + optimizer in place; returns trainer_state (rng restored too)."""

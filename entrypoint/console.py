@@ -52,6 +52,9 @@ class Console:
         if result["interrupted"]:
             head = (f"stopped by {result.get('stop_signal') or 'a signal'} after a checkpoint at step "
                     f"{result['final_step']}; rerun the same command to resume")
+        elif result.get("early_stopped"):
+            head = (f"early stopped at step {result['final_step']}: best eval loss {result['best_eval_loss']:.4f} at "
+                    f"step {result['best_step']}")
         else:
             head = f"done: step {result['final_step']}, loss {result['final_loss']:.4f}"
         if self.events is not None:

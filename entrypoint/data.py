@@ -1,111 +1,47 @@
-"""Chat rows -> tokenized documents with assistant-only labels.
+"""Rows -> tokenized documents with assistant-only labels, through `datasets`.
 
-Rows follow the ultrachat_200k shape: `messages`, a list of {role, content}. Each row is
-rendered with the tokenizer's chat template and tokenized once. Labels keep the tokens
-of every assistant reply plus the end-of-turn token that closes it (the model must learn
-to stop); everything else is -100.
+The row reader is the front door: a JSON line that does not parse, is not UTF-8 or is longer than
+data.max_row_bytes is a counted bad row, never read into memory whole. Each row is mapped to one
+shape by its schema (schemas.py), rendered with the tokenizer's own chat template, and masked
+(chat_mask.py): labels keep the tokens of every assistant reply plus the end-of-turn token that
+closes it; everything else is -100. Tokenisation runs as `Dataset.map(num_proc=...)` with an
+explicit fingerprint (the data files' content, the tokenizer, the data options), so a rerun reuses
+the Arrow files and any change re-tokenizes; the result is memory-mapped (corpus.py).
 
-Bad rows never crash the run and are never silently dropped: each is counted under a
-reason in BadRows, which the run report and the console carry.
+Bad rows never crash the run and are never silently dropped: each is counted under a reason in
+BadRows, which the run report, the console and inspect-data carry.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from contracts.collate import IGNORE_INDEX
+from entrypoint.corpus import BadRows, Corpus
+from entrypoint.datasource import DataError
+from entrypoint.schemas import BadRow, Chat, Plain, convert
 
-ROLES = ("system", "user", "assistant", "tool")
-
-
-class DataError(Exception):
-    """The data source as a whole is unusable (missing file, unreadable format)."""
-
-    def __init__(self, message: str, fix: str):
-        super().__init__(f"{message}\n  fix: {fix}")
-        self.fix = fix
+IGNORE = IGNORE_INDEX
+__all__ = ["BadRows", "Corpus", "DataError", "IGNORE", "load_corpus", "read_rows", "tokenize_rows"]
 
 
-@dataclass(kw_only=True)
-class BadRows:
-    """Rows that did not become a document as given, counted per reason."""
-
-    counts: dict[str, int] = field(default_factory=dict)
-    examples: dict[str, list[int]] = field(default_factory=dict)  # first few row numbers per reason
-    truncated: int = 0                                              # over-long rows kept, cut to max_length
-
-    def add(self, reason: str, row: int) -> None:
-        self.counts[reason] = self.counts.get(reason, 0) + 1
-        ex = self.examples.setdefault(reason, [])
-        if len(ex) < 5:
-            ex.append(row)
-
-    @property
-    def skipped(self) -> int:
-        return sum(self.counts.values())
-
-    def to_dict(self) -> dict:
-        return {"skipped": self.skipped, "truncated": self.truncated, "by_reason": dict(self.counts),
-                "example_rows": {k: list(v) for k, v in self.examples.items()}}
+@dataclass(frozen=True)
+class TooLarge:
+    limit: int
 
 
-@dataclass(kw_only=True)
-class Corpus:
-    """All documents in flat arrays: document i is tokens[offsets[i]:offsets[i+1]].
-
-    Flat int32 arrays instead of Python lists: ultrachat_200k is ~300M tokens, which as
-    Python ints would need ~10 GB per rank.
-    """
-
-    tokens: np.ndarray        # int32 [total]
-    labels: np.ndarray        # int32 [total], IGNORE_INDEX where no loss
-    offsets: np.ndarray       # int64 [n_docs + 1]
-    rows: np.ndarray          # int64 [n_docs], source row number of each document
-    bad: BadRows
-    n_rows: int
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def document(self, i: int):
-        from contracts.collate import Document
-
-        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        return Document(input_ids=self.tokens[a:b].tolist(), labels=self.labels[a:b].tolist())
-
-    def fingerprint(self) -> dict:
-        """Identity of the tokenized data, checked on resume so a changed dataset is caught."""
-        import hashlib
-
-        h = hashlib.sha256(self.offsets.tobytes())
-        h.update(self.tokens[: 1 << 20].tobytes())
-        return {"n_docs": len(self), "n_tokens": int(self.offsets[-1]), "sha256": h.hexdigest()[:16]}
-
-
-def read_rows(path: str, fmt: str = "auto", max_rows: int = 0, max_row_bytes: int = 8 << 20,
-              progress=None, max_row_group_bytes: int = 1 << 30) -> Iterator[tuple[int, object]]:
-    """Yield (row_number, row). A line that does not parse yields its raw text (or None when it
-    is not UTF-8, or a TooLarge marker when it is over max_row_bytes), and the validator counts
-    it: one bad line must not stop the file, and no line is ever held in memory whole beyond
-    the limit. `progress(done_bytes, total_bytes)` is called as the file is read."""
+def read_raw_lines(path: str, max_row_bytes: int = 8 << 20, progress=None) -> Iterator[str | None | TooLarge]:
+    """Each non-blank line of a JSON-lines file as text; None when it is not UTF-8, TooLarge when it
+    is over max_row_bytes (the rest of that line is skipped without being kept)."""
     p = Path(path)
-    if not p.exists():
-        raise DataError(f"data file {p} does not exist", "set data.path to a mounted .jsonl or .parquet file")
-    if fmt == "auto":
-        fmt = "parquet" if p.suffix == ".parquet" else "jsonl"
-    count = 0
-    if fmt == "parquet":
-        yield from _parquet_rows(p, max_rows, max_row_group_bytes)
-        return
     total = p.stat().st_size
+    count = 0
     with p.open("rb") as fh:
         while True:
             raw = fh.readline(max_row_bytes + 1)
@@ -114,89 +50,78 @@ def read_rows(path: str, fmt: str = "auto", max_rows: int = 0, max_row_bytes: in
             if len(raw) > max_row_bytes and not raw.endswith(b"\n"):
                 while (more := fh.readline(1 << 20)) and not more.endswith(b"\n"):
                     pass  # skip the rest of the line without keeping it
-                row: object = TooLarge(max_row_bytes)
-            else:
-                if not raw.strip():
-                    continue
+                yield TooLarge(max_row_bytes)
+            elif raw.strip():
                 try:
-                    text = raw.decode("utf-8")
+                    yield raw.decode("utf-8")
                 except UnicodeDecodeError:
-                    row = None
-                else:
-                    try:
-                        row = json.loads(text)
-                    except (json.JSONDecodeError, RecursionError):
-                        row = text
-            if max_rows and count >= max_rows:
-                return
-            yield count, row
+                    yield None
+            else:
+                continue
             count += 1
             if progress is not None and count % 256 == 0:
                 progress(fh.tell(), total)
 
 
-@dataclass(frozen=True)
-class TooLarge:
-    limit: int
-
-
-def _parquet_rows(p: Path, max_rows: int, max_row_group_bytes: int = 1 << 30) -> Iterator[tuple[int, object]]:
-    import pyarrow.parquet as pq
-
+def parse_line(raw: str | None | TooLarge) -> object:
+    """The row a raw line holds, or a marker the encoder turns into its bad-row reason."""
+    if isinstance(raw, TooLarge) or raw is None:
+        return raw
     try:
-        table = pq.ParquetFile(str(p))
-    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
-        raise DataError(f"cannot read parquet {p}: {exc}", "check the file, or set data.format=jsonl") from None
-    # a row group is read whole: one that would not fit is refused from the footer, unread
-    for i in range(table.metadata.num_row_groups):
-        size = table.metadata.row_group(i).total_byte_size
-        if size > max_row_group_bytes:
-            raise DataError(f"{p} row group {i} is {size / 2 ** 20:.0f} MiB uncompressed, over "
-                            f"data.max_row_group_bytes ({max_row_group_bytes / 2 ** 20:.0f} MiB)",
-                            "rewrite the file with smaller row groups (pyarrow row_group_size), or raise "
-                            "data.max_row_group_bytes if this host has the memory")
-    count = 0
-    for batch in table.iter_batches(batch_size=4096):
-        for row in batch.to_pylist():
-            if max_rows and count >= max_rows:
-                return
-            yield count, row
-            count += 1
+        return json.loads(raw)
+    except (json.JSONDecodeError, RecursionError):
+        return raw   # text that is not JSON: counted as invalid_json
+
+
+def read_rows(path: str, fmt: str = "auto", max_rows: int = 0, max_row_bytes: int = 8 << 20,
+              progress=None, max_row_group_bytes: int = 1 << 30) -> Iterator[tuple[int, object]]:
+    """Yield (row_number, row) from one JSON-lines or parquet file (inspect-data's and the tests'
+    in-memory path; training reads through load_corpus)."""
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"data file {p} does not exist", "set data.path to a mounted data file")
+    if fmt == "parquet" or (fmt == "auto" and p.suffix == ".parquet"):
+        import pyarrow.parquet as pq
+
+        from entrypoint.datasource import _check_parquet_footers
+
+        _check_parquet_footers((str(p),), max_row_group_bytes)
+        count = 0
+        for batch in pq.ParquetFile(str(p)).iter_batches(batch_size=4096):
+            for row in batch.to_pylist():
+                if max_rows and count >= max_rows:
+                    return
+                yield count, row
+                count += 1
+        return
+    for count, raw in enumerate(read_raw_lines(str(p), max_row_bytes, progress)):
+        if max_rows and count >= max_rows:
+            return
+        yield count, parse_line(raw)
+
+
+def row_problem(row: object) -> str:
+    """The reason for a row the front door already knows is bad ("" when it is an object)."""
+    if isinstance(row, TooLarge):
+        return "row_too_large"
+    if row is None:
+        return "not_utf8"
+    if isinstance(row, str):
+        return "invalid_json"
+    if not isinstance(row, dict):
+        return "not_an_object"
+    return ""
 
 
 def validate_row(row: object, messages_field: str, max_messages: int = 4096) -> tuple[list[dict] | None, str]:
-    """Return (messages, "") or (None, reason)."""
-    if isinstance(row, TooLarge):
-        return None, "row_too_large"
-    if row is None:
-        return None, "not_utf8"
-    if not isinstance(row, dict):
-        return None, "invalid_json" if isinstance(row, str) else "not_an_object"
-    messages = row.get(messages_field)
-    if messages is None:
-        return None, "missing_messages"
-    if not isinstance(messages, list):
-        return None, "messages_not_a_list"
-    if not messages:
-        return None, "empty_messages"
-    if len(messages) > max_messages:
-        return None, "too_many_messages"
-    clean = []
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            return None, "malformed_message"
-        if m["role"] not in ROLES:
-            return None, "unknown_role"
-        if not m["content"].strip():
-            return None, "empty_content"
-        try:
-            m["content"].encode("utf-8")
-        except UnicodeEncodeError:   # a lone surrogate ("\\ud800" in the JSON) cannot be tokenized
-            return None, "undecodable_text"
-        clean.append({"role": m["role"], "content": m["content"]})
-    if not any(m["role"] == "assistant" for m in clean):
-        return None, "no_assistant_turn"
-    return clean, ""
+    """Return (messages, "") or (None, reason) for a `messages`-schema row."""
+    problem = row_problem(row)
+    if problem:
+        return None, problem
+    try:
+        return convert(row, "messages", messages_field=messages_field, max_messages=max_messages).messages, ""
+    except BadRow as exc:
+        return None, exc.reason
 
 
 def end_of_turn_token(tokenizer, configured: str) -> str:
@@ -221,138 +146,230 @@ def label_tokens(offsets: np.ndarray, ids: np.ndarray, spans) -> np.ndarray:
     return labels
 
 
+@dataclass(frozen=True)
+class EncodeOptions:
+    schema: str = "messages"
+    messages_field: str = "messages"
+    max_length: int = 8192
+    overlong: str = "truncate"
+    end_of_turn: str = "auto"
+    max_messages: int = 4096
+
+    @classmethod
+    def of(cls, cfg, schema: str | None = None) -> EncodeOptions:
+        return cls(schema=schema or cfg.schema, messages_field=cfg.messages_field, max_length=cfg.max_length,
+                   overlong=cfg.overlong, end_of_turn=cfg.end_of_turn, max_messages=cfg.max_messages)
+
+
+def _render(row: object, tokenizer, opts: EncodeOptions, eot: str):
+    """(text, spans, reasoning_dropped) of one row, or BadRow."""
+    from entrypoint.chat_mask import Unmaskable, render, special_texts
+
+    problem = row_problem(row)
+    if problem:
+        raise BadRow(problem)
+    shaped = convert(row, opts.schema, messages_field=opts.messages_field, max_messages=opts.max_messages)
+    if isinstance(shaped, Plain):
+        for text in special_texts(tokenizer):
+            if text in shaped.prompt or text in shaped.completion:
+                raise BadRow("content_has_special_token")
+        eos = tokenizer.eos_token or ""
+        text = shaped.prompt + shaped.completion + eos
+        return text, ((len(shaped.prompt), len(text)),), 0
+    assert isinstance(shaped, Chat)
+    try:
+        rendered = render(tokenizer, shaped.messages, eot)
+    except Unmaskable as exc:
+        raise BadRow(exc.reason) from None
+    except Exception:  # noqa: BLE001 - jinja raises arbitrary exceptions (raise_exception on role order)
+        raise BadRow("chat_template_rejected") from None
+    return rendered.text, rendered.spans, rendered.reasoning_dropped
+
+
+def encode(rows: list[tuple[int, object]], tokenizer, opts: EncodeOptions) -> list[dict]:
+    """Each row as {row, input_ids, labels, bad, truncated, reasoning_dropped}: one tokenizer call
+    for the whole list. A bad row has empty ids and its reason in `bad`."""
+    eot = end_of_turn_token(tokenizer, opts.end_of_turn)
+    out: list[dict] = []
+    pending: list[tuple[int, str, tuple]] = []
+    for index, row in rows:
+        empty = np.zeros(0, dtype=np.int32)   # typed even when empty: Arrow must not infer a double list
+        record = {"row": int(index), "input_ids": empty, "labels": empty, "bad": "", "truncated": False,
+                  "reasoning_dropped": 0}
+        out.append(record)
+        try:
+            text, spans, dropped = _render(row, tokenizer, opts, eot)
+        except BadRow as exc:
+            record["bad"] = exc.reason
+            continue
+        record["reasoning_dropped"] = dropped
+        pending.append((len(out) - 1, text, spans))
+    if not pending:
+        return out
+    enc = tokenizer([t for _, t, _ in pending], add_special_tokens=False, return_offsets_mapping=True)
+    for (k, _text, spans), ids, offs in zip(pending, enc["input_ids"], enc["offset_mapping"]):
+        record = out[k]
+        ids = np.asarray(ids, dtype=np.int32)
+        labels = label_tokens(np.asarray(offs, dtype=np.int64).reshape(-1, 2), ids, spans)
+        if len(ids) > opts.max_length:
+            if opts.overlong == "skip":
+                record["bad"] = "overlong"
+                continue
+            ids, labels = ids[:opts.max_length], labels[:opts.max_length]
+            if not (labels[1:] != IGNORE_INDEX).any():
+                record["bad"] = "overlong_no_loss_after_truncation"
+                continue
+            record["truncated"] = True
+        if not (labels[1:] != IGNORE_INDEX).any():
+            record["bad"] = "no_loss_tokens"
+            continue
+        record["input_ids"], record["labels"] = ids, labels
+    return out
+
+
+def tokenize_batch(batch: dict, indices: list[int], *, tokenizer, opts: EncodeOptions, raw: bool) -> dict:
+    """Dataset.map's function: a batch of raw JSON lines (raw=True) or typed rows, tokenized."""
+    if raw:
+        rows = [(i, parse_line(text) if status == "" else (TooLarge(0) if status == "row_too_large" else None))
+                for i, text, status in zip(indices, batch["raw"], batch["status"])]
+    else:
+        keys = list(batch)
+        rows = [(i, dict(zip(keys, values))) for i, values in zip(indices, zip(*batch.values()))]
+    records = encode(rows, tokenizer, opts)
+    return {key: [r[key] for r in records] for key in ("row", "input_ids", "labels", "bad", "truncated",
+                                                       "reasoning_dropped")}
+
+
 def tokenize_rows(rows: Iterator[tuple[int, object]], tokenizer, *, messages_field: str = "messages",
                   max_length: int = 8192, overlong: str = "truncate", end_of_turn: str = "auto",
-                  batch_size: int = 512, on_row=None, max_messages: int = 4096) -> Corpus:
-    """`on_row(rows_read)` is called after each row (progress)."""
-    from entrypoint.chat_mask import Unmaskable, render
-
-    eot = end_of_turn_token(tokenizer, end_of_turn)
+                  batch_size: int = 512, on_row=None, max_messages: int = 4096, schema: str = "messages") -> Corpus:
+    """In memory (inspect-data, tests): rows -> a one-shard Corpus. `on_row(rows_read)` reports progress."""
+    opts = EncodeOptions(schema=schema, messages_field=messages_field, max_length=max_length, overlong=overlong,
+                         end_of_turn=end_of_turn, max_messages=max_messages)
     bad = BadRows()
     tok_chunks, lab_chunks, lengths, row_ids = [], [], [], []
     n_rows = 0
-    pending: list[tuple[int, str, tuple]] = []
+    batch: list[tuple[int, object]] = []
 
     def flush():
-        if not pending:
-            return
-        enc = tokenizer([t for _, t, _ in pending], add_special_tokens=False, return_offsets_mapping=True)
-        for (row, _text, spans), ids, offs in zip(pending, enc["input_ids"], enc["offset_mapping"]):
-            ids = np.asarray(ids, dtype=np.int32)
-            labels = label_tokens(np.asarray(offs, dtype=np.int64).reshape(-1, 2), ids, spans)
-            if len(ids) > max_length:
-                if overlong == "skip":
-                    bad.add("overlong", row)
-                    continue
-                ids, labels = ids[:max_length], labels[:max_length]
-                if not (labels[1:] != IGNORE_INDEX).any():
-                    bad.add("overlong_no_loss_after_truncation", row)
-                    continue
-                bad.truncated += 1
-            if not (labels[1:] != IGNORE_INDEX).any():
-                bad.add("no_loss_tokens", row)
+        for record in encode(batch, tokenizer, opts):
+            bad.reasoning_dropped += record["reasoning_dropped"]
+            if record["bad"]:
+                bad.add(record["bad"], record["row"])
                 continue
-            tok_chunks.append(ids)
-            lab_chunks.append(labels)
-            lengths.append(len(ids))
-            row_ids.append(row)
-        pending.clear()
+            bad.truncated += int(record["truncated"])
+            tok_chunks.append(record["input_ids"])
+            lab_chunks.append(record["labels"])
+            lengths.append(len(record["input_ids"]))
+            row_ids.append(record["row"])
+        batch.clear()
 
-    for row, raw in rows:
+    for row in rows:
         n_rows += 1
         if on_row is not None:
             on_row(n_rows)
-        messages, reason = validate_row(raw, messages_field, max_messages)
-        if messages is None:
-            bad.add(reason, row)
-            continue
-        try:
-            rendered = render(tokenizer, messages, eot)
-        except Unmaskable as exc:
-            bad.add(exc.reason, row)
-            continue
-        except Exception:  # noqa: BLE001 - jinja raises arbitrary exceptions (raise_exception on role order)
-            bad.add("chat_template_rejected", row)
-            continue
-        pending.append((row, rendered.text, rendered.spans))
-        if len(pending) >= batch_size:
+        batch.append(row)
+        if len(batch) >= batch_size:
             flush()
     flush()
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     empty = np.zeros(0, dtype=np.int32)
-    return Corpus(
-        tokens=np.concatenate(tok_chunks) if tok_chunks else empty,
-        labels=np.concatenate(lab_chunks) if lab_chunks else empty,
-        offsets=offsets, rows=np.asarray(row_ids, dtype=np.int64), bad=bad, n_rows=n_rows,
-    )
+    return Corpus.from_arrays(np.concatenate(tok_chunks) if tok_chunks else empty,
+                              np.concatenate(lab_chunks) if lab_chunks else empty, offsets,
+                              np.asarray(row_ids, dtype=np.int64), bad, n_rows)
 
 
-def load_corpus(cfg, tokenizer, log=None) -> Corpus:
-    """Build the corpus described by a DataConfig; `log` (a contracts.events.EventLog) gets
-    tokenisation progress with rows/s and an ETA from the bytes read."""
-    progress = None
-    if log is not None:
-        from contracts.events import Progress
+# ---- through datasets ------------------------------------------------------------------------
 
-        progress = Progress(log, "tokenize", Path(cfg.path).name, min_interval=2.0)
-
-    def read_progress(done: int, total: int) -> None:
-        if progress is not None:
-            rows_per_s = progress_rows[0] / max(progress.elapsed, 1e-6)
-            progress.update(done, f"{progress_rows[0]} rows, {rows_per_s:.0f} rows/s", total=total)
-
-    progress_rows = [0]
-
-    def on_row(n: int) -> None:
-        progress_rows[0] = n
-
-    corpus = tokenize_rows(
-        read_rows(cfg.path, cfg.format, cfg.max_rows, cfg.max_row_bytes, read_progress, cfg.max_row_group_bytes),
-        tokenizer, messages_field=cfg.messages_field, max_length=cfg.max_length, overlong=cfg.overlong,
-        end_of_turn=cfg.end_of_turn, on_row=on_row, max_messages=cfg.max_messages,
-    )
-    if progress is not None:
-        progress.finish(f"{corpus.n_rows} rows -> {len(corpus)} documents, {int(corpus.offsets[-1])} tokens")
-    if len(corpus) == 0:
-        raise DataError(
-            f"no usable rows in {cfg.path} ({corpus.n_rows} read; bad: {corpus.bad.counts})",
-            f"check that rows have a `{cfg.messages_field}` list of {{role, content}} with an assistant turn",
-        )
-    return corpus
+def tokenizer_identity(tokenizer) -> str:
+    h = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
+    h.update(json.dumps([tokenizer.chat_template, tokenizer.eos_token, tokenizer.pad_token]).encode())
+    return h.hexdigest()
 
 
-def corpus_key(cfg, tokenizer) -> str:
-    """Content key of a tokenized corpus: the data file's identity, the data options and
-    the tokenizer (vocab, merges, chat template). Any change re-tokenizes."""
-    import hashlib
-    import os
-
-    st = os.stat(cfg.path)
-    h = hashlib.sha256()
-    h.update(json.dumps([os.path.abspath(cfg.path), st.st_size, st.st_mtime_ns, cfg.format, cfg.messages_field,
-                         cfg.max_length, cfg.overlong, cfg.end_of_turn, cfg.max_rows, cfg.max_messages,
-                         tokenizer.chat_template]).encode())
-    h.update(tokenizer.backend_tokenizer.to_str().encode())
-    return h.hexdigest()[:24]
+def num_proc(configured: int) -> int:
+    return configured or max(1, min(os.cpu_count() or 1, 16))
 
 
-def save_corpus(corpus: Corpus, path: Path) -> None:
-    """Atomic .npz write (contracts.atomic), so a reader never sees half a file."""
-    import io
+def tokenize_source(source, tokenizer, cfg, cache_dir: Path, *, schema: str, events=None) -> dict:
+    """One source tokenized by Dataset.map into Arrow files under cache_dir (reused when its
+    fingerprint matches). Returns {files, bad, n_rows, fingerprint}."""
+    from entrypoint.datasource import load_rows
 
+    opts = EncodeOptions.of(cfg, schema)
+    key = hashlib.sha256(json.dumps([source.identity(), tokenizer_identity(tokenizer), opts.__dict__,
+                                     cfg.max_rows, cfg.max_row_bytes, 2]).encode()).hexdigest()[:32]
+    out_dir = cache_dir / f"tokenized-{key}"
+    summary = out_dir / "summary.json"
+    if summary.is_file() and not summary.is_symlink():
+        done = json.loads(summary.read_text())
+        if all(Path(f).is_file() for f in done["files"]):
+            return done
     from contracts import atomic
 
-    buffer = io.BytesIO()
-    np.savez(buffer, tokens=corpus.tokens, labels=corpus.labels, offsets=corpus.offsets, rows=corpus.rows,
-             meta=np.array(json.dumps({"bad": corpus.bad.to_dict(), "n_rows": corpus.n_rows,
-                                       "counts": corpus.bad.counts, "examples": corpus.bad.examples})))
-    atomic.write_bytes(path, buffer.getvalue())
+    staging = atomic.staging_dir(cache_dir, f"tokenized-{key}")
+    rows, raw = load_rows(source, cache_dir=cache_dir / "raw", max_row_bytes=cfg.max_row_bytes,
+                     max_row_group_bytes=cfg.max_row_group_bytes, max_rows=cfg.max_rows)
+    import datasets
+
+    ints = datasets.Sequence(datasets.Value("int32"))
+    features = datasets.Features({"row": datasets.Value("int64"), "input_ids": ints, "labels": ints,
+                                  "bad": datasets.Value("string"), "truncated": datasets.Value("bool"),
+                                  "reasoning_dropped": datasets.Value("int32")})
+    if events is not None:
+        events.emit("tokenize", f"{source.field}: {len(rows)} rows with {num_proc(cfg.num_proc)} process(es)",
+                    step=Path(source.path).name)
+    if len(rows) == 0:   # map writes nothing for no rows: an empty corpus file, so the verdict is one clear error
+        import pyarrow as pa
+
+        with pa.OSFile(str(staging / "tokens.arrow"), "wb") as sink, pa.ipc.new_stream(sink, features.arrow_schema):
+            pass
+        rows = datasets.Dataset.from_file(str(staging / "tokens.arrow"))
+    mapped = rows if len(rows) == 0 else rows.map(tokenize_batch, with_indices=True, batched=True, batch_size=256,
+                      num_proc=min(num_proc(cfg.num_proc), max(1, len(rows) // 256)) or None,
+                      remove_columns=rows.column_names, features=features, new_fingerprint=key,
+                      cache_file_name=str(staging / "tokens.arrow"),
+                      fn_kwargs={"tokenizer": tokenizer, "opts": opts, "raw": raw})
+    bad = BadRows()
+    table = mapped.data.table
+    reasons = table.column("bad").to_numpy(zero_copy_only=False)
+    row_numbers = table.column("row").to_numpy(zero_copy_only=False)
+    for index in np.flatnonzero(reasons != ""):
+        bad.add(str(reasons[index]), int(row_numbers[index]))
+    bad.truncated = int(np.count_nonzero(table.column("truncated").to_numpy(zero_copy_only=False)))
+    bad.reasoning_dropped = int(table.column("reasoning_dropped").to_numpy(zero_copy_only=False).sum())
+    files = sorted(Path(f["filename"]).name for f in mapped.cache_files)
+    del mapped, table, rows
+    from contracts import atomic
+
+    done = {"files": [str(out_dir / name) for name in files], "bad": bad.to_dict(), "n_rows": int(len(reasons)),
+            "fingerprint": key, "source": source.path}
+    for leftover in staging.glob("cache-*"):   # datasets' own temp files: not part of the corpus
+        leftover.unlink()
+    atomic.write_json(staging / "summary.json", done, sort_keys=True)
+    atomic.publish_dir(staging, out_dir, replace=True)   # the corpus appears whole or not at all
+    return done
 
 
-def read_corpus(path: Path) -> Corpus:
-    with np.load(path) as z:
-        meta = json.loads(str(z["meta"]))
-        bad = BadRows(counts=meta["counts"], examples=meta["examples"], truncated=meta["bad"]["truncated"])
-        return Corpus(tokens=z["tokens"], labels=z["labels"], offsets=z["offsets"], rows=z["rows"], bad=bad,
-                      n_rows=meta["n_rows"])
+def load_corpus(cfg, tokenizer, events=None, cache_dir: Path | None = None) -> Corpus:
+    """The training corpus `cfg` describes (a FinetuneConfig, or just its DataConfig), built through
+    datasets into `cache_dir` (default: this user's private scratch)."""
+    from contracts.finetune_config import DataConfig, FinetuneConfig
+    from entrypoint.corpus import read_corpus
+    from entrypoint.corpus_build import build
+
+    if isinstance(cfg, DataConfig):
+        cfg = FinetuneConfig(data=cfg)
+    if cache_dir is None:
+        from verify.scratch import private_scratch
+
+        cache_dir = private_scratch() / "datasets"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    corpus = read_corpus(build(cfg, tokenizer, cache_dir, log=lambda _m: None, events=events).train)
+    if len(corpus) == 0:
+        where = cfg.data.path or ", ".join(s.path for s in cfg.data.sources)
+        raise DataError(f"no usable rows in {where} ({corpus.n_rows} read; bad: {corpus.bad.counts})",
+                        f"check that the rows match data.schema={cfg.data.schema} (inspect-data shows each row's "
+                        "verdict)")
+    return corpus

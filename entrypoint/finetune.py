@@ -17,7 +17,7 @@ from contracts.finetune_config import FinetuneConfig, build_config, parse_overri
 from entrypoint.gate import GateOutcome, run_verify
 from entrypoint.launch import LaunchError, cache_env, resolve_topology, torchrun_argv, worker_env
 from entrypoint.plan import PackingDecision, RunPlan
-from entrypoint.rundir import RunDirError, ephemeral_warning, is_real_file, real_dir, resolve_output_dir
+from entrypoint.rundir import RunDirError, ephemeral_warning, real_dir, resolve_output_dir
 
 EXIT_GATE = 3  # verify did not pass and --allow-fallback was not given
 
@@ -139,7 +139,7 @@ def check_writable(output_dir: str) -> None:
 def check_inputs(cfg: FinetuneConfig, log: Callable[[str], None]) -> None:
     """Everything about the job's inputs that can be refused before verify and before any rank:
     output.dir (resolved once, a boundary), the data's kind, the model folder, remote code."""
-    from entrypoint.inputs import InputError, check_data_path, check_remote_code
+    from entrypoint.inputs import InputError, check_remote_code
 
     try:
         cfg.output.dir = str(resolve_output_dir(cfg.output.dir))
@@ -147,9 +147,6 @@ def check_inputs(cfg: FinetuneConfig, log: Callable[[str], None]) -> None:
         raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
     if warning := ephemeral_warning(Path(cfg.output.dir)):
         log(f"[finetune] WARNING: {warning}")
-    if not Path(cfg.data.path).exists():
-        raise FinetuneError(f"data file {cfg.data.path} does not exist",
-                            "mount the data and set data.path (JSONL or Parquet chat rows)")
     model = Path(cfg.model.path)
     if model.exists() and not (model / "config.json").is_file():
         raise FinetuneError(f"model.path {model} has no config.json",
@@ -157,11 +154,16 @@ def check_inputs(cfg: FinetuneConfig, log: Callable[[str], None]) -> None:
     if not model.exists() and (model.is_absolute() or cfg.model.path.startswith(".")):
         raise FinetuneError(f"model.path {model} does not exist",
                             "mount the model directory into the container and set model.path to it")
+    from entrypoint.corpus_build import resolve_all
+    from entrypoint.datasource import DataError
+
     try:
-        check_data_path(cfg.data.path)
+        resolve_all(cfg.data)   # every source's files, before verify and before any rank
         check_remote_code([cfg.model.path, cfg.model.tokenizer], cfg.model.trust_remote_code)
     except InputError as exc:
         raise FinetuneError(str(exc), exc.fix) from None
+    except DataError as exc:
+        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
     from entrypoint.trackers import INSTALL, missing
 
     for name in missing(cfg.output):
@@ -194,7 +196,7 @@ def preflight_resume(cfg: FinetuneConfig, log: Callable[[str], None]) -> dict | 
 
 def warn_about(cfg: FinetuneConfig, corpus_path: Path, world: int, log: Callable[[str], None]) -> None:
     """What would make the run say one thing and do another, said before it starts."""
-    from entrypoint.data import read_corpus
+    from entrypoint.corpus import read_corpus
     from entrypoint.sampler import PackedSampler
 
     t = cfg.train
@@ -251,13 +253,14 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
     packing = decide_packing(cfg.packing.mode, outcome)
     cfg.packing.mode = packing.effective
     with _process_env(caches):
-        corpus = build_corpus(cfg, log, events)
+        built = build_corpus(cfg, log, events)
     if resumed:
-        check_fingerprint(cfg, resumed, corpus)
-    warn_about(cfg, corpus, topo.nnodes * topo.nproc_per_node, log)
+        check_fingerprint(cfg, resumed, built.train)
+    warn_about(cfg, built.train, topo.nnodes * topo.nproc_per_node, log)
     plan = RunPlan(config=cfg, config_file=config_file, overrides=list(overrides), verify=outcome.to_dict(),
                    allow_fallback=bool(allow_fallback and not outcome.passed), allow_fallback_flag=bool(allow_fallback),
-                   packing=packing, lock=lock, topology=topo.__dict__, corpus=str(corpus),
+                   packing=packing, lock=lock, topology=topo.__dict__, corpus=str(built.train),
+                   eval_corpus=str(built.eval or ""),
                    provenance=provenance(layers), launched_at=launched_at)
     try:
         launch_dir = real_dir(Path(cfg.output.dir) / ".launch")
@@ -270,7 +273,7 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
 
 def check_fingerprint(cfg: FinetuneConfig, resumed: dict, corpus_path: Path) -> None:
     from entrypoint import resume as rs
-    from entrypoint.data import read_corpus
+    from entrypoint.corpus import read_corpus
 
     change = rs.changes({}, {}, resumed.get("data_fingerprint"), read_corpus(corpus_path).fingerprint())
     try:
@@ -279,24 +282,32 @@ def check_fingerprint(cfg: FinetuneConfig, resumed: dict, corpus_path: Path) -> 
         raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
 
 
-def build_corpus(cfg: FinetuneConfig, log: Callable[[str], None], events=None) -> Path:
-    """Tokenize once, here, before any rank starts: no rank waits on another (and on the
-    process group's timeout) while rank 0 tokenizes. The workers load the cached file."""
-    from entrypoint.data import DataError, corpus_key, load_corpus, read_corpus, save_corpus
+def build_corpus(cfg: FinetuneConfig, log: Callable[[str], None], events=None):
+    """Tokenize once, here, before any rank starts: no rank waits on another (and on the process
+    group's timeout) while rank 0 tokenizes. The workers memory-map the result (corpus_build.py)."""
+    from entrypoint.corpus import read_corpus
+    from entrypoint.corpus_build import build
+    from entrypoint.data import DataError
+    from entrypoint.inputs import InputError
     from entrypoint.model import ModelError, load_tokenizer
 
     try:
         tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path, cfg.model.trust_remote_code)
         cache = real_dir(real_dir(Path(cfg.output.dir) / ".cache") / "corpus")
-        path = cache / f"corpus-{corpus_key(cfg.data, tokenizer)}.npz"
-        if is_real_file(path):
-            corpus = read_corpus(path)
-            log(f"[finetune] data: {len(corpus)} documents from the tokenized cache {path.name}")
-            return path
-        corpus = load_corpus(cfg.data, tokenizer, events)
-    except (DataError, ModelError, RunDirError) as exc:
+        built = build(cfg, tokenizer, cache, log=log, events=events)
+        corpus = read_corpus(built.train)
+        if len(corpus) == 0:
+            raise DataError(f"no usable rows in the training data ({corpus.n_rows} read; bad: {corpus.bad.counts})",
+                            f"check that the rows match data.schema={cfg.data.schema} (inspect-data shows each "
+                            "row's verdict)")
+        if built.eval is not None and len(read_corpus(built.eval)) == 0:
+            raise DataError("the evaluation data holds no usable document", "check data.eval_path, or raise "
+                            "data.eval_fraction", "data.eval_path" if cfg.data.eval_path else "data.eval_fraction")
+    except (DataError, ModelError, RunDirError, InputError) as exc:
         raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
-    save_corpus(corpus, path)
-    log(f"[finetune] data: {len(corpus)} documents, {int(corpus.offsets[-1])} tokens from {corpus.n_rows} rows; "
-        f"bad rows: {corpus.bad.counts or 'none'}, truncated: {corpus.bad.truncated}")
-    return path
+    log(f"[finetune] data: {len(corpus)} documents, {corpus.n_tokens} tokens from {corpus.n_rows} rows; "
+        f"bad rows: {corpus.bad.counts or 'none'}, truncated: {corpus.bad.truncated}"
+        + (f", reasoning not rendered by the template: {corpus.bad.reasoning_dropped}"
+           if corpus.bad.reasoning_dropped else "")
+        + (f"; evaluation: {len(read_corpus(built.eval))} documents" if built.eval else ""))
+    return built

@@ -52,7 +52,7 @@ def finetune(argv: list[str]) -> int:
     from entrypoint.console import JSON_LOGS_ENV
     from entrypoint.finetune import FinetuneError, prepare, print_config
 
-    args = finetune_parser().parse_args(argv)
+    args = finetune_parser().parse_intermixed_args(argv)   # KEY=VALUE before or after the flags
     flags = flag_overrides(args)
     events = EventLog(json_lines=args.json_logs)
     say, fail = (log, err) if not args.json_logs else (
@@ -85,9 +85,10 @@ def finetune(argv: list[str]) -> int:
 
 def inspect_data(argv: list[str]) -> int:
     from contracts.finetune_config import ConfigError
+    from entrypoint.corpus_build import resolve_all
     from entrypoint.data import DataError
     from entrypoint.finetune import lock_layer, resolve_config
-    from entrypoint.inputs import InputError, check_data_path, check_remote_code
+    from entrypoint.inputs import InputError, check_remote_code
     from entrypoint.inspect_data import inspect
     from entrypoint.model import ModelError, load_tokenizer
 
@@ -97,14 +98,14 @@ def inspect_data(argv: list[str]) -> int:
     p.add_argument("--rows", type=int, default=3, help="documents to show (default 3); the summary counts all rows")
     p.add_argument("--json", action="store_true", help="one JSON object: documents (trained spans) and summary")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     if args.rows < 0:
         err(f"--rows must be >= 0, got {args.rows}", "pass --rows N with N >= 0")
         return EXIT_USAGE
     try:
         defaults, _ = lock_layer(lambda _m: None)
         cfg = resolve_config(args.config, list(args.overrides), defaults)
-        check_data_path(cfg.data.path)
+        resolve_all(cfg.data)
         check_remote_code([cfg.model.path, cfg.model.tokenizer], cfg.model.trust_remote_code)
         tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path, cfg.model.trust_remote_code)
         inspect(cfg, tokenizer, rows=args.rows, as_json=args.json, colour=sys.stdout.isatty() and not args.json)

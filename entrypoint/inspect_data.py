@@ -55,20 +55,20 @@ def inspect(cfg, tokenizer, *, rows: int, as_json: bool, colour: bool, out=sys.s
     """Tokenize the whole configured data (so the summary counts every row), show the first `rows`."""
     from entrypoint.data import load_corpus
 
-    corpus = load_corpus(cfg.data, tokenizer)
+    corpus = load_corpus(cfg, tokenizer)
     shown = []
     for i in islice(range(len(corpus)), rows):
-        a, b = int(corpus.offsets[i]), int(corpus.offsets[i + 1])
-        ids, labels = corpus.tokens[a:b], corpus.labels[a:b]
+        ids, labels = corpus.doc_tokens(i), corpus.doc_labels(i)
         shown.append(document_record(tokenizer, corpus.rows[i], ids, labels))
         if not as_json:
-            out.write(f"--- document {i} (row {int(corpus.rows[i])}, {b - a} tokens, "
+            out.write(f"--- document {i} (row {int(corpus.rows[i])}, {len(ids)} tokens, "
                       f"{shown[-1]['loss_tokens']} trained) ---\n")
             out.write(document_view(tokenizer, ids, labels, colour=colour) + "\n")
     summary = {"rows_read": corpus.n_rows, "documents": len(corpus),
                "bad_rows": dict(corpus.bad.counts), "truncated": corpus.bad.truncated,
-               "loss_tokens": int((corpus.labels != IGNORE_INDEX).sum()),
-               "tokens": int(corpus.offsets[-1])}
+               "reasoning_dropped": corpus.bad.reasoning_dropped,
+               "loss_tokens": sum(int((corpus.doc_labels(i)[1:] != IGNORE_INDEX).sum()) for i in range(len(corpus))),
+               "tokens": corpus.n_tokens}
     if as_json:
         out.write(json.dumps({"documents": shown, "summary": summary}, indent=2, ensure_ascii=False) + "\n")
     else:

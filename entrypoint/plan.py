@@ -29,7 +29,8 @@ class RunPlan:
     packing: PackingDecision
     lock: dict[str, Any] | None        # summary of the image's lock (None outside an image)
     topology: dict[str, Any]
-    corpus: str = ""                   # tokenized corpus built before the ranks started
+    corpus: str = ""                   # the training corpus's manifest, built before the ranks started
+    eval_corpus: str = ""              # the evaluation corpus's manifest ("" = no evaluation data)
     provenance: dict[str, str] = field(default_factory=dict)   # config key -> the layer that set it
     launched_at: float = 0.0           # time.time() when the launcher began (wall time, time to first step)
 

@@ -138,7 +138,7 @@ class Metrics:
             flat = flat_config(config or {})
             self.sinks = [SINKS[name](Path(out_dir), run_name, flat) for name in trackers]
 
-    def write(self, record: dict, prefix: str = "train") -> None:
+    def write(self, record: dict, kind: str = "train") -> None:
         if not self.enabled:
             return
         from entrypoint.rundir import open_append_nofollow
@@ -147,7 +147,8 @@ class Metrics:
             fh.write(json.dumps(record) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
-        values = {k.replace("train/", f"{prefix}/", 1): v for k, v in scalars(record).items()}
+        values = {f"{kind}/{k.removeprefix('train/').removeprefix(kind + '_')}": v
+                  for k, v in scalars(record).items()}
         for sink in self.sinks:
             sink.log(values, record["step"])
 

@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     if result["interrupted"]:
         result["stop_signal"] = stop.signal_name or "another rank's"
     if rank == 0:
-        status = "interrupted" if result["interrupted"] else "completed"
+        status = "interrupted" if result["interrupted"] else "early_stopped" if result.get("early_stopped") else \
+            "completed"
         write_report(report_path, plan, result, status)
         Console(rank).summary(result, report_path)
     return stop.exit_code if result["interrupted"] else 0

@@ -9,6 +9,7 @@ logs, checkpoints; a stop request ends at the next step boundary with a checkpoi
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,8 @@ from contracts.finetune_config import FinetuneConfig, parse_profile_steps
 from entrypoint.batches import MicroBatch, build_micro_batch
 from entrypoint.checkpoint import Checkpointer, CheckpointError, resume_candidates
 from entrypoint.console import Console
-from entrypoint.data import Corpus, read_corpus
+from entrypoint.corpus import Corpus, read_corpus
+from entrypoint.evaluate import EvalState, Evaluator
 from entrypoint.export import export_hf
 from entrypoint.metrics import FlopModel, IntervalMeter, device_peak_flops, flop_model
 from entrypoint.model import load_model_for_sharding, load_tokenizer, materialize, resolve_attention
@@ -90,6 +92,9 @@ class Trainer:
     stop_requested: object = None          # a callable() -> bool, set by the worker (SIGTERM)
     readback: object = None                # tensor -> list: the step's host sync (tests may observe it)
     pending: list[PendingStep] = field(default_factory=list)   # steps not yet read back (logged)
+    evaluator: Evaluator | None = None     # held-out data (data.eval_path / data.eval_fraction)
+    evals: EvalState = field(default_factory=EvalState)
+    early_stopped: bool = False
 
     @property
     def out(self) -> Path:
@@ -102,7 +107,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path, cfg.model.trust_remote_code)
         corpus = read_corpus(Path(plan.corpus))
-        con.info(f"data: {len(corpus)} documents, {int(corpus.offsets[-1])} tokens from {corpus.n_rows} rows; "
+        con.info(f"data: {len(corpus)} documents, {corpus.n_tokens} tokens from {corpus.n_rows} rows; "
                  f"bad rows: {corpus.bad.counts or 'none'}, truncated: {corpus.bad.truncated} "
                  f"(policy overlong={cfg.data.overlong})")
         sampler = PackedSampler(corpus.lengths, "bfd" if plan.packed else "padded", cfg.packing.budget,
@@ -138,10 +143,17 @@ class Trainer:
                             device=device)
         totals = RunTotals(launched_at=plan.launched_at, world=world,
                            peak_flops=device_peak_flops(cfg.output.peak_tflops))
+        evaluator = None
+        if plan.eval_corpus:
+            evaluator = Evaluator(read_corpus(Path(plan.eval_corpus)), packed=plan.packed, budget=cfg.packing.budget,
+                                  rank=rank, world=world, device=device, pad_token_id=tokenizer.pad_token_id,
+                                  loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+            con.info(f"evaluation: {len(evaluator.corpus)} held-out documents in {len(evaluator.batches)} "
+                     f"micro-batches, every {cfg.train.eval_every} steps and at the end")
         return cls(cfg=cfg, plan=plan, rank=rank, world=world, device=device, con=con, tokenizer=tokenizer,
                    corpus=corpus, sampler=sampler, model=model, optimizer=optimizer,
                    scheduler=schedule(optimizer, cfg, total_steps), ckpt=ckpt, flops=flops, attn=attn,
-                   n_params=n_params, total_steps=max(total_steps, 0), totals=totals)
+                   n_params=n_params, total_steps=max(total_steps, 0), totals=totals, evaluator=evaluator)
 
     def resume(self) -> None:
         stale = self.ckpt.clean_stale()
@@ -189,6 +201,8 @@ class Trainer:
             self.con.warn(f"{path.name} was saved by {state['world_size']} ranks and resumes on {self.world}: the "
                           "weights and optimizer state are resharded, the data stream continues at the same "
                           "global position")
+        self.evals = EvalState.from_dict(state.get("eval"))
+        self.totals.best_eval_loss, self.totals.best_step = self.evals.best_loss, self.evals.best_step
         self.step = self.last_saved = step
         self.resumed_from = str(path)
         if self.rank == 0:
@@ -244,7 +258,17 @@ class Trainer:
                     self.interrupted = True
                     self.save()
                     return
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                improved = False
+                if self.evaluator and cfg.train.eval_every and (self.step % cfg.train.eval_every == 0
+                                                                or self.step == self.total_steps):
+                    t_eval = time.perf_counter()
+                    improved = self.evaluate(metrics)
+                    interval_start += time.perf_counter() - t_eval   # evaluation is not step time
+                    if self.early_stopped:
+                        self.save()
+                        return
+                if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or \
+                        (improved and cfg.checkpoint.keep_best):
                     t_save = time.perf_counter()
                     self.save()
                     saved_s = time.perf_counter() - t_save
@@ -253,6 +277,31 @@ class Trainer:
         finally:
             profiler.close()
             metrics.close()
+
+    def evaluate(self, metrics) -> bool:
+        """Eval loss (and samples) at this step; early stopping. True when it is the best so far."""
+        cfg = self.cfg
+        loss, tokens = self.evaluator.loss(self.model)
+        improved = self.evals.update(self.step, loss)
+        self.totals.best_eval_loss, self.totals.best_step = self.evals.best_loss, self.evals.best_step
+        metrics.write({"step": self.step, "kind": "eval", "eval_loss": loss, "eval_tokens": tokens,
+                       "eval_documents": len(self.evaluator.corpus)}, kind="eval")
+        self.con.info(f"eval step {self.step}: loss {loss:.4f} over {tokens} tokens (best {self.evals.best_loss:.4f} "
+                      f"at step {self.evals.best_step})")
+        if cfg.eval.samples:
+            samples = self.evaluator.samples(self.model, self.tokenizer, cfg.eval.samples, cfg.eval.max_new_tokens)
+            if self.rank == 0:
+                from entrypoint.rundir import open_append_nofollow
+
+                with open_append_nofollow(self.out / "samples.jsonl") as fh:
+                    for sample in samples:
+                        fh.write(json.dumps({"step": self.step, **sample}, ensure_ascii=False) + "\n")
+        patience = cfg.train.early_stopping_patience
+        if patience and self.evals.since_best >= patience:
+            self.early_stopped = True
+            self.con.info(f"early stopping: {patience} evaluations without a better eval loss; best "
+                          f"{self.evals.best_loss:.4f} at step {self.evals.best_step}")
+        return improved
 
     def log_interval(self, wall_s: float) -> dict:
         """Read the interval's pending steps back (one sync) and summarise them for the log."""
@@ -274,8 +323,10 @@ class Trainer:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict(),
                  "data_fingerprint": self.corpus.fingerprint(),
                  "run_config": run_config(self.cfg, self.plan.packing.requested),
-                 "total_steps": self.total_steps, "complete": self.step >= self.total_steps}
-        self.ckpt.save(self.step, self.model, self.optimizer, state)
+                 "total_steps": self.total_steps, "complete": self.step >= self.total_steps or self.early_stopped,
+                 "eval": self.evals.to_dict(), "early_stopped": self.early_stopped}
+        self.ckpt.save(self.step, self.model, self.optimizer, state,
+                       protect=self.evals.best_step if self.cfg.checkpoint.keep_best else None)
         self.last_saved = self.step
 
     def finish(self) -> dict:
@@ -291,7 +342,8 @@ class Trainer:
         c = self.corpus
         return {"final_loss": self.last_loss, "final_step": self.step, "resumed_from": self.resumed_from,
                 "interrupted": self.interrupted, "bad_rows": c.bad.to_dict(), "documents": len(c),
-                "rows_read": c.n_rows, "tokens": int(c.offsets[-1]), "data_fingerprint": c.fingerprint(),
+                "rows_read": c.n_rows, "tokens": c.n_tokens, "data_fingerprint": c.fingerprint(),
                 "exported": str(exported) if exported else None, "world_size": self.world,
                 "attn_implementation": self.attn, "n_params": self.n_params, "total_steps": self.total_steps,
-                "summary": self.totals.to_dict()}
+                "early_stopped": self.early_stopped, "best_eval_loss": self.evals.best_loss,
+                "best_step": self.evals.best_step, "summary": self.totals.to_dict()}

@@ -48,8 +48,7 @@ def _micro_batches(packed: bool) -> list:
     lengths = np.array([12, 7, 20, 5])
     tokens = rng.integers(1, 64, int(lengths.sum()), dtype=np.int32)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    corpus = Corpus(tokens=tokens, labels=tokens.copy(), offsets=offsets, rows=np.arange(4), bad=BadRows(),
-                    n_rows=4)
+    corpus = Corpus.from_arrays(tokens, tokens.copy(), offsets, np.arange(4), BadRows(), 4)
     return [build_micro_batch(corpus, [0, 1], packed=packed, budget=32, pad_token_id=0),
             build_micro_batch(corpus, [2, 3], packed=packed, budget=32, pad_token_id=0)]
 

@@ -63,8 +63,7 @@ def _corpus(lengths, seed=0) -> Corpus:
     np.cumsum(lengths, out=offsets[1:])
     tokens = rng.integers(3, 500, size=int(offsets[-1]), dtype=np.int32)
     labels = np.where(rng.random(len(tokens)) < 0.5, tokens, IGNORE).astype(np.int32)
-    return Corpus(tokens=tokens, labels=labels, offsets=offsets, rows=np.arange(len(lengths)), bad=BadRows(),
-                  n_rows=len(lengths))
+    return Corpus.from_arrays(tokens, labels, offsets, np.arange(len(lengths)), BadRows(), len(lengths))
 
 
 def test_packed_micro_batch_field_by_field():

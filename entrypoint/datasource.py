@@ -1,0 +1,219 @@
+"""Where rows come from: a data source (data.path, or one entry of data.sources) resolved to its files
+and loaded as a `datasets.Dataset` of raw rows, offline.
+
+data.path may be a file (.jsonl, .json, .parquet, .arrow), a folder of them, a glob, a
+`save_to_disk` folder, or a local dataset folder read as one split (`data.split`: ultrachat_200k's
+`data/train_sft-00000-of-00003.parquet` shards are the `train_sft` split). Everything is refused
+with the field and the fix before any rank starts: nothing there, mixed formats, a split the
+dataset does not have, something that is not a regular file.
+
+JSON lines go through the project's own row reader (read_rows: bad lines counted by reason,
+data.max_row_bytes enforced on every line) into Dataset.from_generator, one raw line per row;
+parquet and arrow files are read by `load_dataset` after each parquet footer was checked.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from entrypoint.inputs import InputError, check_data_path
+
+SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+FORMATS = ("auto", "jsonl", "json", "parquet", "arrow", "disk")
+DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+_SPLIT_FILE = re.compile(r"^(?P<split>[A-Za-z0-9_.-]+?)(?:-\d{5}-of-\d{5})?\.[a-z]+$")
+
+
+class DataError(Exception):
+    """The data source as a whole is unusable (missing file, unreadable format)."""
+
+    def __init__(self, message: str, fix: str, field: str = "data.path"):
+        super().__init__(f"{message}\n  fix: {fix}")
+        self.fix = fix
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Source:
+    """One resolved source: its files (or a save_to_disk folder) and how to read its rows."""
+
+    field: str                 # the config field it came from, for messages ("data.path", "data.sources[1].path")
+    path: str
+    format: str                # json | parquet | arrow | disk
+    files: tuple[str, ...]     # the data files (for disk: the folder)
+    split: str = ""
+
+    def identity(self) -> str:
+        """A content key: every file's size and sha256 (so a rerun hits the cache and any edit misses)."""
+        h = hashlib.sha256(json.dumps([self.format, self.split]).encode())
+        paths = self.files if self.format != "disk" else sorted(
+            str(p) for p in Path(self.files[0]).rglob("*") if p.is_file())
+        for path in paths:
+            h.update(path.encode())
+            with open(path, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(block)
+        return h.hexdigest()
+
+
+def _kind_of(path: str, declared: str) -> str:
+    if declared in ("jsonl", "json"):
+        return "json"
+    if declared in ("parquet", "arrow"):
+        return declared
+    kind = SUFFIXES.get(Path(path).suffix.lower())
+    if kind is None:
+        raise DataError(f"cannot tell the format of {path} from its name",
+                        "name data files .jsonl/.json/.parquet/.arrow, or set data.format")
+    return kind
+
+
+def _split_of(name: str) -> str:
+    m = _SPLIT_FILE.match(name)
+    return m.group("split") if m else ""
+
+
+def resolve(path: str, fmt: str = "auto", split: str = "", field: str = "data.path") -> Source:
+    """Resolve a source's files (DataError / InputError with the field and a fix)."""
+    if not path:
+        raise DataError(f"{field} is not set", "set it to a data file, folder or glob", field)
+    has_glob = any(c in path for c in "*?[")
+    if has_glob:
+        files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        if not files:
+            raise DataError(f"{field} {path} matches no file", "check the pattern (quote it in a shell)", field)
+    elif not os.path.exists(path):
+        raise DataError(f"data file {path} does not exist", "mount the data and set data.path (a file, a folder "
+                        "of .jsonl/.json/.parquet/.arrow files, a glob, or a save_to_disk folder)", field)
+    else:
+        check_data_path(path, field)
+        if os.path.isfile(path):
+            if fmt == "disk":
+                raise DataError(f"{field} {path} is a file, data.format=disk needs a save_to_disk folder",
+                                "point it at the folder, or set data.format=auto", field)
+            return Source(field, path, _kind_of(path, fmt), (path,), split)
+        if fmt == "disk" or any((Path(path) / m).is_file() for m in DISK_MARKERS):
+            return Source(field, path, "disk", (path,), split)
+        files = sorted(str(p) for p in Path(path).rglob("*")
+                       if p.is_file() and (p.suffix.lower() in SUFFIXES or fmt not in ("auto", "disk"))
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise DataError(f"{field} {path} is a folder with no .jsonl/.json/.parquet/.arrow file",
+                            "point it at the folder that holds the data files, or at one file", field)
+    for f in files:
+        check_data_path(f, field)
+    if split:
+        named = [f for f in files if _split_of(Path(f).name) == split]
+        if not named:
+            have = sorted({_split_of(Path(f).name) for f in files} - {""})
+            raise DataError(f"data.split {split!r}: {path} has no such split" + (f" (it has: {', '.join(have)})"
+                                                                                   if have else
+                                                                                   " (its files name no split)"),
+                            f"set data.split to one of the dataset's splits{': ' + have[0] if have else ''}, or "
+                            "leave it empty to read every file", "data.split")
+        files = named
+    kinds = {_kind_of(f, fmt) for f in files}
+    if len(kinds) > 1:
+        raise DataError(f"{field} {path} mixes formats ({', '.join(sorted(kinds))}) in one source",
+                        "keep one format per source; list the others as separate data.sources entries", field)
+    return Source(field, path, kinds.pop(), tuple(files), split)
+
+
+def _is_json_array(path: str) -> bool:
+    with open(path, "rb") as fh:
+        head = fh.read(4096).lstrip()
+    return head.startswith(b"[")
+
+
+def _check_parquet_footers(files: tuple[str, ...], max_row_group_bytes: int) -> None:
+    import pyarrow.parquet as pq
+
+    for f in files:
+        try:
+            meta = pq.ParquetFile(f).metadata
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+            raise DataError(f"cannot read parquet {f}: {exc}", "check the file, or set data.format") from None
+        for i in range(meta.num_row_groups):
+            size = meta.row_group(i).total_byte_size
+            if size > max_row_group_bytes:
+                raise DataError(f"{f} row group {i} is {size / 2 ** 20:.0f} MiB uncompressed, over "
+                                f"data.max_row_group_bytes ({max_row_group_bytes / 2 ** 20:.0f} MiB)",
+                                "rewrite the file with smaller row groups (pyarrow row_group_size), or raise "
+                                "data.max_row_group_bytes if this host has the memory")
+
+
+def _json_lines(files: list[str], max_row_bytes: int, max_rows: int):
+    """Raw lines for the tokenizer map: the reader's verdict, never a parsed object (a hostile
+    row's shape must not decide the dataset's schema)."""
+    from entrypoint.data import TooLarge, read_raw_lines
+
+    count = 0
+    for path in files:
+        for raw in read_raw_lines(path, max_row_bytes):
+            if max_rows and count >= max_rows:
+                return
+            if isinstance(raw, TooLarge):
+                yield {"raw": None, "status": "row_too_large"}
+            elif raw is None:
+                yield {"raw": None, "status": "not_utf8"}
+            else:
+                yield {"raw": raw, "status": ""}
+            count += 1
+
+
+def load_rows(source: Source, *, cache_dir: Path, max_row_bytes: int, max_row_group_bytes: int,
+              max_rows: int = 0):
+    """(rows, raw): the source's rows as a Dataset; raw when they are JSON lines as the row reader gave
+    them (`raw`/`status` columns), else typed columns."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if source.format == "json" and all(_is_json_array(f) for f in source.files):
+            # a .json file holding one array of rows: read whole by datasets (there are no lines to bound)
+            loaded = datasets.load_dataset("json", data_files={"train": list(source.files)}, split="train",
+                                           cache_dir=str(cache_dir))
+            return (loaded.select(range(min(max_rows, len(loaded)))) if max_rows else loaded), False
+        if source.format == "json":
+            features = datasets.Features({"raw": datasets.Value("string"), "status": datasets.Value("string")})
+            if next(_json_lines(list(source.files), max_row_bytes, max_rows), None) is None:
+                return datasets.Dataset.from_dict({"raw": [], "status": []}, features=features), True   # no rows
+            return datasets.Dataset.from_generator(
+                _json_lines, features=features, cache_dir=str(cache_dir),
+                gen_kwargs={"files": list(source.files), "max_row_bytes": max_row_bytes, "max_rows": max_rows},
+                fingerprint=hashlib.sha256(f"{source.identity()}:{max_row_bytes}:{max_rows}".encode()).hexdigest(),
+            ), True
+        if source.format == "disk":
+            loaded = datasets.load_from_disk(source.files[0])
+            if isinstance(loaded, datasets.DatasetDict):
+                if not source.split:
+                    raise DataError(f"{source.field} {source.path} holds several splits "
+                                    f"({', '.join(loaded)})", f"set data.split to one of {', '.join(loaded)}",
+                                    "data.split")
+                if source.split not in loaded:
+                    raise DataError(f"{source.field} {source.path} has no split {source.split!r} (it has: "
+                                    f"{', '.join(loaded)})", f"set data.split to one of {', '.join(loaded)}",
+                                    "data.split")
+                loaded = loaded[source.split]
+        else:
+            if source.format == "parquet":
+                _check_parquet_footers(source.files, max_row_group_bytes)
+            loaded = datasets.load_dataset(source.format, data_files={"train": list(source.files)}, split="train",
+                                           cache_dir=str(cache_dir))
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - datasets/pyarrow raise many types for unreadable files
+        raise DataError(f"cannot read {source.field} {source.path} as {source.format}: "
+                        f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
+                        "check the files, or set data.format to what they are", source.field) from None
+    if max_rows:
+        loaded = loaded.select(range(min(max_rows, len(loaded))))
+    return loaded, False
+
+
+__all__ = ["DataError", "FORMATS", "InputError", "Source", "load_rows", "resolve"]

@@ -1,0 +1,270 @@
+"""Data through `datasets`: files, folders, globs, save_to_disk, ultrachat_200k's own layout, five row
+schemas with golden masks, reasoning_content, weighted mixtures, held-out splits, and bad input."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from contracts.finetune_config import build_config
+from entrypoint.inspect_data import runs
+from tests.fixtures.chat import run_entrypoint
+
+pytestmark = pytest.mark.unit
+
+
+def _cfg(**data):
+    return build_config([{"model": {"path": "m"}, "data": {"max_length": 512, **data}, "packing": {"budget": 512}}])
+
+
+def _trained(tokenizer, corpus) -> list[list[str]]:
+    """Each document's trained spans, decoded (the first token of a document never carries loss)."""
+    out = []
+    for i in range(len(corpus)):
+        ids, labels = corpus.doc_tokens(i), corpus.doc_labels(i)
+        out.append([tokenizer.decode(ids[a:b].tolist()) for a, b, trained in runs(labels) if trained])
+    return out
+
+
+def _load(tmp_path, tokenizer, **data):
+    from entrypoint.data import load_corpus
+
+    return load_corpus(_cfg(**data), tokenizer, cache_dir=tmp_path / "cache")
+
+
+# ---- golden masks, one 8-row file per schema ----------------------------------------------------
+
+WORDS = ["red", "blue", "tree", "river", "sun", "moon", "cat", "dog"]
+
+
+def _schema_rows(schema: str) -> tuple[list[dict], list[list[str]]]:
+    rows, golden = [], []
+    for i in range(8):
+        a, b = WORDS[i], WORDS[(i + 3) % 8]
+        if schema == "messages":
+            rows.append({"messages": [{"role": "user", "content": f"{a} {b}"},
+                                      {"role": "assistant", "content": f"{b} {a}"}]})
+            golden.append([f"{b} {a}<|im_end|>"])
+        elif schema == "sharegpt":
+            rows.append({"conversations": [{"from": "system", "value": "be short"}, {"from": "human", "value": a},
+                                           {"from": "gpt", "value": b}, {"from": "human", "value": b},
+                                           {"from": "gpt", "value": a}]})
+            golden.append([f"{b}<|im_end|>", f"{a}<|im_end|>"])
+        elif schema == "alpaca":
+            rows.append({"instruction": f"say {a}", "input": b if i % 2 else "", "output": f"{a} {b}"})
+            golden.append([f"{a} {b}<|im_end|>"])
+        elif schema == "text":
+            rows.append({"text": f"{a} {b} {a}"})
+            golden.append([f"{a} {b} {a}<|im_end|>"])   # all of it, and the end-of-sequence token
+        else:
+            rows.append({"prompt": f"{a} is", "completion": f" {b}"})
+            golden.append([f" {b}<|im_end|>"])
+    return rows, golden
+
+
+@pytest.mark.parametrize("schema", ["messages", "sharegpt", "alpaca", "text", "prompt_completion"])
+def test_each_schema_gives_zero_bad_rows_and_the_golden_mask(tokenizer, tmp_path, schema):
+    rows, golden = _schema_rows(schema)
+    path = tmp_path / f"{schema}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    corpus = _load(tmp_path, tokenizer, path=str(path), schema=schema)
+    assert corpus.bad.skipped == 0 and len(corpus) == 8
+    assert _trained(tokenizer, corpus) == golden
+
+
+def test_alpaca_renders_instruction_then_a_blank_line_then_the_input(tokenizer, tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps({"instruction": "say it", "input": "red", "output": "red"}) + "\n")
+    corpus = _load(tmp_path, tokenizer, path=str(path), schema="alpaca")
+    text = tokenizer.decode(corpus.doc_tokens(0).tolist())
+    assert "<|im_start|>user\nsay it\n\nred<|im_end|>" in text
+
+
+def test_reasoning_is_trained_where_the_template_renders_it_and_counted_where_it_does_not(tmp_path, fixture_dir):
+    from transformers import AutoTokenizer
+
+    from tests.fixtures.chat import REASONING_TEMPLATE
+
+    tokenizer = AutoTokenizer.from_pretrained(str(fixture_dir.model_dir))
+    tokenizer.chat_template = REASONING_TEMPLATE
+    row = {"messages": [{"role": "user", "content": "red"},
+                        {"role": "assistant", "content": "blue", "reasoning_content": "first thought"},
+                        {"role": "user", "content": "tree"},
+                        {"role": "assistant", "content": "river", "reasoning_content": "second thought"}]}
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    from entrypoint.data import read_rows, tokenize_rows
+
+    corpus = tokenize_rows(read_rows(str(path)), tokenizer)
+    assert corpus.bad.skipped == 0 and corpus.bad.reasoning_dropped == 1   # the first turn's, before a user turn
+    spans = _trained(tokenizer, corpus)[0]
+    assert spans == ["blue<|im_end|>", "<think>\nsecond thought\n</think>\n\nriver<|im_end|>"]
+
+
+# ---- where rows come from --------------------------------------------------------------------------
+
+def _ultrachat(root: Path) -> Path:
+    """ultrachat_200k's own layout: data/{train_sft,test_sft,...}-NNNNN-of-NNNNN.parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (root / "data").mkdir(parents=True)
+    for split, shards, offset in (("train_sft", 2, 0), ("test_sft", 1, 100), ("train_gen", 1, 200)):
+        for k in range(shards):
+            rows = [{"prompt": f"{WORDS[i % 8]} {k}", "prompt_id": f"{split}-{k}-{i}",
+                     "messages": [{"role": "user", "content": f"{WORDS[i % 8]} {offset + i}"},
+                                  {"role": "assistant", "content": f"{WORDS[(i + 1) % 8]} {k}"}]}
+                    for i in range(10)]
+            pq.write_table(pa.Table.from_pylist(rows), root / "data" / f"{split}-{k:05d}-of-{shards:05d}.parquet")
+    return root
+
+
+def test_inspect_data_reads_ultrachat_200k_layout_as_one_split(fixture_dir, tmp_path):
+    root = _ultrachat(tmp_path / "ultrachat_200k")
+    r = run_entrypoint(["inspect-data", "--config", str(fixture_dir.config), f"data.path={root}",
+                        "data.split=train_sft", "--rows", "0", "--json"], timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads(r.stdout)["summary"]
+    assert summary["rows_read"] == 20 and summary["documents"] == 20 and summary["bad_rows"] == {}
+    r = run_entrypoint(["inspect-data", "--config", str(fixture_dir.config), f"data.path={root}",
+                        "data.split=train", "--rows", "0"], timeout=240)
+    assert r.returncode == 2 and "data.split 'train'" in r.stderr and "test_sft, train_gen, train_sft" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("form", ["file", "folder", "glob", "disk", "arrow", "json_array"])
+def test_every_path_form_reads_the_same_documents(tokenizer, tmp_path, form):
+    import datasets
+
+    rows, golden = _schema_rows("messages")
+    src = tmp_path / "src"
+    src.mkdir()
+    if form in ("file", "folder", "glob"):
+        for k in range(2):
+            (src / f"part{k}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[k * 4:k * 4 + 4]))
+        path = {"file": src / "part0.jsonl", "folder": src, "glob": src / "part*.jsonl"}[form]
+        want = golden[:4] if form == "file" else golden
+    elif form == "json_array":
+        path = src / "rows.json"
+        path.write_text(json.dumps(rows))
+        want = golden
+    else:
+        ds = datasets.Dataset.from_list(rows)
+        if form == "disk":
+            ds.save_to_disk(str(src / "saved"))
+            path = src / "saved"
+        else:
+            ds.to_parquet(str(src / "tmp.parquet"))
+            arrow = datasets.Dataset.from_parquet(str(src / "tmp.parquet"))
+            path = Path(arrow.cache_files[0]["filename"])
+        want = golden
+    corpus = _load(tmp_path, tokenizer, path=str(path))
+    assert corpus.bad.skipped == 0 and sorted(map(tuple, _trained(tokenizer, corpus))) == sorted(map(tuple, want))
+
+
+def test_a_rerun_reuses_the_tokenized_files_and_an_edit_retokenizes(tokenizer, tmp_path):
+    rows, _ = _schema_rows("messages")
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    first = _load(tmp_path, tokenizer, path=str(path))
+    made = sorted(p.name for p in (tmp_path / "cache").glob("tokenized-*"))
+    again = _load(tmp_path, tokenizer, path=str(path))
+    assert sorted(p.name for p in (tmp_path / "cache").glob("tokenized-*")) == made and len(made) == 1
+    assert again.fingerprint() == first.fingerprint()
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:5]))
+    edited = _load(tmp_path, tokenizer, path=str(path))
+    assert len(list((tmp_path / "cache").glob("tokenized-*"))) == 2 and len(edited) == 5
+    assert edited.fingerprint() != first.fingerprint()
+
+
+def test_the_corpus_is_memory_mapped_not_copied(tokenizer, tmp_path):
+    rows, _ = _schema_rows("messages")
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    corpus = _load(tmp_path, tokenizer, path=str(path))
+    for shard in corpus.shards:
+        assert not shard.tokens.flags.owndata and not shard.tokens.flags.writeable   # views into the mmap
+
+
+# ---- mixtures and held-out data ------------------------------------------------------------------
+
+def test_a_10000_document_mixture_gives_each_source_its_share(tokenizer, tmp_path):
+    from entrypoint.corpus import read_corpus
+    from entrypoint.corpus_build import build
+
+    sizes, weights = (6000, 3000, 1000), (1.0, 1.0, 2.0)
+    sources = []
+    for s, n in enumerate(sizes):
+        path = tmp_path / f"s{s}.jsonl"
+        path.write_text("".join(json.dumps({"text": f"{WORDS[s]} {i}"}) + "\n" for i in range(n)))
+        sources.append({"path": str(path), "weight": weights[s]})
+    said: list[str] = []
+    cfg = build_config([{"model": {"path": "m"}, "data": {"sources": sources, "schema": "text", "max_length": 64},
+                         "packing": {"budget": 64}}])
+    built = build(cfg, tokenizer, tmp_path / "cache", log=said.append)
+    corpus = read_corpus(built.train)
+    assert len(corpus) == 10000
+    first_words = np.array([tokenizer.decode(corpus.doc_tokens(i)[:1].tolist()).strip() for i in range(len(corpus))])
+    for s, weight in enumerate(weights):
+        share = float(np.mean(first_words == WORDS[s]))
+        assert abs(share - weight / sum(weights)) <= 0.02, (s, share)
+    assert any("runs 5 passes" in line for line in said)   # 1000 documents fill a 50% share of 10000
+
+
+def test_eval_fraction_holds_out_whole_documents_deterministically(tokenizer, tmp_path):
+    from entrypoint.corpus import read_corpus
+    from entrypoint.corpus_build import build
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": f"{WORDS[i % 8]} number {i}"}) + "\n" for i in range(200)))
+    cfg = build_config([{"model": {"path": "m"}, "data": {"path": str(path), "schema": "text", "max_length": 64,
+                                                          "eval_fraction": 0.1}, "packing": {"budget": 64}}])
+    a = build(cfg, tokenizer, tmp_path / "cache", log=lambda m: None)
+    b = build(cfg, tokenizer, tmp_path / "cache", log=lambda m: None)
+    train, held = read_corpus(a.train), read_corpus(a.eval)
+    assert len(train) == 180 and len(held) == 20
+    assert set(train.rows.tolist()).isdisjoint(held.rows.tolist())
+    assert read_corpus(b.eval).rows.tolist() == held.rows.tolist()
+
+
+# ---- bad input: exit 2 with the field and the fix, before any rank starts ----------------------------
+
+@pytest.mark.parametrize("overrides, field", [
+    (["data.path={empty}"], "data.path"),
+    (["data.path={root}/nothing*.jsonl"], "data.path"),
+    (["data.path={mixed}"], "data.path"),
+    (["data.eval_fraction=0.7"], "data.eval_fraction"),
+    (["data.eval_fraction=0"], None),                               # 0 = none: not an error
+    (["data.path={ultra}", "data.split=valid"], "data.split"),
+])
+def test_bad_data_sources_are_exit_2_naming_the_field(fixture_dir, tmp_path, overrides, field):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.jsonl").write_text(json.dumps(_schema_rows("messages")[0][0]) + "\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(_schema_rows("messages")[0]), tmp_path / "mixed" / "b.parquet")
+    ultra = _ultrachat(tmp_path / "ultra")
+    filled = [o.format(empty=tmp_path / "empty", root=tmp_path, mixed=tmp_path / "mixed", ultra=ultra)
+              for o in overrides]
+    r = run_entrypoint(["finetune", "--config", str(fixture_dir.config), f"output.dir={tmp_path / 'out'}",
+                        "--print-config" if field is None else "--dry-run", *filled], timeout=240)
+    if field is None:
+        assert r.returncode == 0, r.stderr[-2000:]
+        return
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert field in r.stderr and "fix:" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out" / ".launch").exists()     # refused before any plan was written
+
+
+def test_a_weight_that_is_not_positive_is_exit_2(fixture_dir, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({"model": {"path": str(fixture_dir.model_dir)},
+                                  "data": {"sources": [{"path": str(fixture_dir.data), "weight": 0},
+                                                       {"path": str(fixture_dir.data), "weight": -1}]}}))
+    r = run_entrypoint(["finetune", "--config", str(config), f"output.dir={tmp_path / 'out'}"], timeout=120)
+    assert r.returncode == 2 and "data.sources[0].weight" in r.stderr and "data.sources[1].weight" in r.stderr
+    assert "Traceback" not in r.stderr
