@@ -9,7 +9,7 @@ raises one ConfigError that lists each with a fix.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields_of
 from pathlib import Path
 from typing import Any, Literal
@@ -183,6 +183,8 @@ class ParallelConfig:
     activation_checkpoint: Literal["none", "full", "selective"] = "none"  # selective: every `ac_every`-th layer
     ac_every: int = field(default=2, metadata=_positive("parallel.ac_every"))
     reshard_after_forward: bool = True    # ZeRO-3 style; False keeps params gathered between fwd and bwd
+    dp_replicate: int = field(default=1, metadata=_positive("parallel.dp_replicate"))  # HSDP: replicas of the
+    #                                       sharded model (e.g. one per node); 1 = flat FSDP over every rank
 
 
 @dataclass(kw_only=True)
@@ -194,6 +196,10 @@ class CheckpointConfig:
     export: bool = True                   # write HF safetensors (from_pretrained-loadable) at the end
     export_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     keep_best: bool = False               # keep the checkpoint with the best eval loss beside the newest `keep`
+    async_save: bool = field(default=False, metadata=rule(key="async"))  # checkpoint.async: DCP's async save;
+    #                                       training goes on while a checkpoint is written
+    export_every: int = field(default=0, metadata=_non_negative("checkpoint.export_every"))  # also export HF
+    #                                       safetensors every N steps, to output.dir/exports/step-N (0 = end only)
     allow_changed: list[str] = field(default_factory=list, metadata=rule(each=_resume_key))  # keys a resume may
     #                                       change (see entrypoint/resume.py); applied and logged
 
@@ -245,7 +251,16 @@ class FinetuneConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The config as its document: keys as a config file spells them (checkpoint.async)."""
+        return _document(self)
+
+
+def _document(obj) -> Any:
+    if hasattr(obj, "__dataclass_fields__"):
+        return {(f.metadata.get("key") or f.name): _document(getattr(obj, f.name)) for f in dataclass_fields_of(obj)}
+    if isinstance(obj, list):
+        return [_document(v) for v in obj]
+    return obj
 
 
 def parse_override(text: str) -> tuple[str, str]:

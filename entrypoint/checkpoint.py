@@ -27,9 +27,12 @@ import json
 import os
 import re
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -181,13 +184,37 @@ def newest_valid(root: Path, mode: str) -> tuple[Path, dict] | None:
     return None
 
 
+@dataclass
+class InFlight:
+    """An async save: its data is being written; it becomes step-* only once every rank's is."""
+
+    step: int
+    tmp: Path
+    final: Path
+    future: object
+    trainer_state: dict
+    protect: int | None
+    started: float
+    bytes: int
+
+
 class Checkpointer:
-    def __init__(self, root: Path, *, keep: int, rank: int, world_size: int, device: torch.device | None = None):
+    """Saves step folders (synchronously, or with DCP's async save: the state is staged to host
+    memory, training goes on, and the folder is committed once the write completed on every
+    rank) and loads them back (read_state/load)."""
+
+    def __init__(self, root: Path, *, keep: int, rank: int, world_size: int, device: torch.device | None = None,
+                 asynchronous: bool = False, log=None):
         self.root = root
         self.keep = keep
         self.rank = rank
         self.world_size = world_size
         self.device = device or torch.device("cpu")
+        self.asynchronous = asynchronous
+        self.log = log or (lambda _m: None)
+        self.inflight: InFlight | None = None
+        # the background writer's collectives must not share the training group's (NCCL) stream
+        self.async_group = dist.new_group(backend="gloo") if asynchronous else None
 
     def barrier(self) -> None:
         from entrypoint.collectives import barrier
@@ -206,9 +233,12 @@ class Checkpointer:
         self.barrier()
         return removed
 
-    def save(self, step: int, model, optimizer, trainer_state: dict, protect: int | None = None) -> Path:
+    def save(self, step: int, model, optimizer, trainer_state: dict, protect: int | None = None, *,
+             wait: bool = False) -> Path:
         """Write step `step` (all ranks); prune to the newest `keep`, never deleting step `protect`
-        (the best eval's checkpoint, checkpoint.keep_best)."""
+        (the best eval's checkpoint, checkpoint.keep_best). With async saves, returns once the state
+        is staged (`wait` forces a synchronous save, e.g. the one a stop request asks for)."""
+        self.wait()   # one save in flight at a time; a stop request waits for it, then saves its own
         final = self.root / step_dir_name(step)
         tmp = self.root / f"{atomic.TMP_PREFIX}{final.name}"
         if self.rank == 0:
@@ -220,27 +250,64 @@ class Checkpointer:
             atomic.write_json(tmp / MARKER, {"step": step, "world_size": self.world_size})
         self.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        size = state_bytes(model_sd, optim_sd) * self.world_size
+        started = time.perf_counter()
         try:
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
             atomic.write_json(tmp / rng_file(self.rank), rng_state.capture())
+            if self.asynchronous and not wait:
+                future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
+                                        process_group=self.async_group)
+                self.inflight = InFlight(step, tmp, final, future, trainer_state, protect, started, size)
+                self.log(f"checkpoint step {step}: state staged in {time.perf_counter() - started:.1f}s, written in "
+                         "the background while training goes on")
+                return final
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         except (OSError, RuntimeError, CheckpointException) as exc:
-            needed = state_bytes(model_sd, optim_sd) * self.world_size
-            if ran_out_of_space(exc, tmp, needed):
-                shutil.rmtree(tmp, ignore_errors=True)   # give the space back; resume never sees a partial step
-                raise disk_full(tmp, needed) from None
-            raise
+            self._failed(exc, tmp, size)
         self.barrier()
-        if self.rank == 0:
-            state = {**trainer_state, "world_size": self.world_size, "files": files_manifest(tmp)}
-            atomic.write_json(tmp / TRAINER_STATE, state)
-            atomic.fsync_tree(tmp)
-            if is_complete(final):   # a re-run of the same step after resume: replace it whole
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            atomic.fsync_dir(self.root)
-            self._prune(protect)
+        self._commit(InFlight(step, tmp, final, None, trainer_state, protect, started, size))
         self.barrier()
         return final
+
+    def _failed(self, exc: BaseException, tmp: Path, size: int):
+        if ran_out_of_space(exc, tmp, size):
+            shutil.rmtree(tmp, ignore_errors=True)   # give the space back; resume never sees a partial step
+            raise disk_full(tmp, size) from None
+        raise exc
+
+    def poll(self) -> None:
+        """Commit the async save in flight if its write has completed (at a step boundary)."""
+        if self.inflight is not None and self.inflight.future.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the async save in flight is written, then commit it."""
+        if self.inflight is None:
+            return
+        inflight, self.inflight = self.inflight, None
+        try:
+            inflight.future.result()
+        except (OSError, RuntimeError, CheckpointException) as exc:
+            self._failed(exc, inflight.tmp, inflight.bytes)
+        self._commit(inflight)
+
+    def _commit(self, saved: InFlight) -> None:
+        """Rank 0 makes the folder a checkpoint: trainer_state.json (written last), rename, prune.
+        Its DCP write completing means every rank's did: DCP's coordinator gathers all ranks' write
+        results before it writes .metadata."""
+        if self.rank != 0:
+            return
+        state = {**saved.trainer_state, "world_size": self.world_size, "files": files_manifest(saved.tmp)}
+        atomic.write_json(saved.tmp / TRAINER_STATE, state)
+        atomic.fsync_tree(saved.tmp)
+        if is_complete(saved.final):   # a re-run of the same step after resume: replace it whole
+            shutil.rmtree(saved.final)
+        os.rename(saved.tmp, saved.final)
+        atomic.fsync_dir(self.root)
+        self._prune(saved.protect)
+        on_disk = sum(p.stat().st_size for p in saved.final.iterdir() if p.is_file())
+        self.log(f"checkpoint step {saved.step} committed in {time.perf_counter() - saved.started:.1f}s "
+                 f"({on_disk / 2 ** 30:.2f} GiB)")
 
     def _prune(self, protect: int | None = None) -> None:
         for old in list_checkpoints(self.root)[:-self.keep]:

@@ -95,7 +95,18 @@ def print_config(config_file: str | None, overrides: list[str], flags: list[str]
                 lines.append(f"{dotted:<34} {json.dumps(value):<28} {source.get(dotted, 'built-in default')}")
 
     walk(cfg.to_dict(), "")
-    return "\n".join([f"{'KEY':<34} {'VALUE':<28} SET BY", *lines])
+    return "\n".join([f"{'KEY':<34} {'VALUE':<28} SET BY", *lines, "", mesh_line(cfg)])
+
+
+def mesh_line(cfg: FinetuneConfig) -> str:
+    """The mesh and per-GPU state for --print-config (the world size as the launch would resolve it)."""
+    from entrypoint.mesh_plan import MeshError, mesh_plan
+
+    try:
+        world = resolve_topology(cfg, dict(os.environ))
+        return mesh_plan(cfg, world.nnodes * world.nproc_per_node).render()
+    except (MeshError, LaunchError) as exc:
+        return f"mesh: {str(exc).splitlines()[0]}"
 
 
 @contextlib.contextmanager
@@ -156,12 +167,17 @@ def check_inputs(cfg: FinetuneConfig, log: Callable[[str], None]) -> None:
                             "mount the model directory into the container and set model.path to it")
     from entrypoint.corpus_build import resolve_all
     from entrypoint.datasource import DataError
+    from entrypoint.hf_checkpoint import SourceCheckpointError, check_source
 
     try:
         resolve_all(cfg.data)   # every source's files, before verify and before any rank
         check_remote_code([cfg.model.path, cfg.model.tokenizer], cfg.model.trust_remote_code)
+        if model.is_dir():
+            check_source(model)  # every shard present and whole, before any rank allocates the model
     except InputError as exc:
         raise FinetuneError(str(exc), exc.fix) from None
+    except SourceCheckpointError as exc:
+        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
     except DataError as exc:
         raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
     from entrypoint.trackers import INSTALL, missing
@@ -171,6 +187,16 @@ def check_inputs(cfg: FinetuneConfig, log: Callable[[str], None]) -> None:
                             "image", f"add {INSTALL[name]} to the image's python.requirements and rebuild, or drop "
                             f"{name} from output.report_to (metrics.jsonl is always written)")
     check_writable(cfg.output.dir)
+
+
+def check_mesh(cfg: FinetuneConfig, world: int) -> None:
+    """parallel.dp_replicate must divide the world size, and the state per GPU must fit the GPU."""
+    from entrypoint.mesh_plan import MeshError, mesh_plan
+
+    try:
+        mesh_plan(cfg, world, check_fit=True)
+    except MeshError as exc:
+        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
 
 
 def preflight_resume(cfg: FinetuneConfig, log: Callable[[str], None]) -> dict | None:
@@ -230,6 +256,7 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
         caches = cache_env(cfg, env)
     except LaunchError as exc:
         raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
+    check_mesh(cfg, topo.nnodes * topo.nproc_per_node)
     resumed = preflight_resume(cfg, log)
     if resumed and resumed.get("complete") and not resumed["changes"]:
         log(f"[finetune] already complete: {resumed['path']} is step {resumed['step']} of {resumed.get('total_steps')}"

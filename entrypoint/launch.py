@@ -129,7 +129,9 @@ def cache_env(cfg: FinetuneConfig, env: dict) -> dict:
                       ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("MPLCONFIGDIR", "matplotlib")):
         if not _writable_or_creatable(env.get(name)):
             out[name] = str(base / sub)
-    prepare_dirs(out)
+    if not env.get("HF_DATASETS_OFFLINE"):
+        out["HF_DATASETS_OFFLINE"] = "1"   # data comes from mounted files: never wait on a hub
+    prepare_dirs({k: v for k, v in out.items() if k != "HF_DATASETS_OFFLINE"})
     return out
 
 

@@ -68,43 +68,35 @@ def load_model(path: str, *, attn_implementation: str, trust_remote_code: bool =
     return model
 
 
-def load_model_for_sharding(path: str, *, attn_implementation: str, rank: int, world_size: int,
-                            trust_remote_code: bool = False):
-    """(model, full_state_dict). Only rank 0 reads the weights; the others build the
-    same module tree on the meta device, so host memory holds ONE full fp32 copy per
-    node instead of one per GPU (27B in fp32 is ~108 GB). `materialize` then fills every
-    rank's shards from rank 0 after fully_shard."""
-    if rank == 0 or world_size == 1:
-        model = load_model(path, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
-        # captured before activation-checkpoint wrappers rename submodules
-        return model, (model.state_dict() if world_size > 1 else None)
+def build_on_meta(path: str, *, attn_implementation: str, trust_remote_code: bool = False):
+    """The model's module tree on the meta device (no memory), every rank alike: FSDP2 wraps it, then
+    each rank allocates and reads only its own shards (hf_checkpoint.load_sharded)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if not (Path(path) / "config.json").is_file():
+        raise ModelError(f"model.path {path} is not a local model folder",
+                         "download the model first (e.g. `hf download ORG/MODEL --local-dir /models/x`) and mount "
+                         "that folder; every rank reads its own shards from it")
     try:
         config = AutoConfig.from_pretrained(_source(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load model config from {path}: {exc}", "check model.path") from None
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
-                                                 dtype=torch.float32, trust_remote_code=trust_remote_code)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                                     dtype=torch.float32, trust_remote_code=trust_remote_code)
+    except (ValueError, ImportError) as exc:
+        raise ModelError(f"cannot build the model of {path}: {exc}",
+                         "check model.attn_implementation (sdpa works everywhere)") from None
     model.config.use_cache = False
-    return model, {}
+    return model
 
 
-def materialize(model, full_state_dict: dict | None, device: torch.device) -> None:
-    """After fully_shard: allocate meta shards and copy rank 0's weights into every rank's
-    shards; buffers (not sharded, e.g. rotary inv_freq, which is not in the state dict)
-    are broadcast whole."""
-    if full_state_dict is None:
-        return
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
-        model.to_empty(device=device)
-    set_model_state_dict(model, full_state_dict,
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    for buf in model.buffers():
-        staged = buf.data.to(device)  # nccl broadcasts device tensors only
-        dist.broadcast(staged, src=0)
-        buf.data.copy_(staged)
+def rebuild_buffers(model, device: torch.device) -> None:
+    """Buffers that are not weights (rotary inv_freq) are computed, not loaded: after to_empty they
+    hold garbage, so each rotary module is rebuilt from its config and its buffers copied over."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config"):
+            fresh = type(module)(module.config)
+            for name, buffer in fresh.named_buffers(recurse=False):
+                getattr(module, name).data.copy_(buffer.to(device))

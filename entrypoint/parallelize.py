@@ -65,3 +65,32 @@ def apply_fsdp(model: nn.Module, mesh, *, param_dtype: str, reduce_dtype: str,
         # at the start of backward.
         fully_shard(model.get_output_embeddings(), mp_policy=mp, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mp_policy=mp, **kw)
+
+
+def build_mesh(device_type: str, world: int, dp_replicate: int = 1):
+    """Flat FSDP over every rank, or HSDP: `dp_replicate` replicas (across nodes, say), each sharding
+    the model over world / dp_replicate ranks (within a node). The launcher has refused a
+    dp_replicate that does not divide the world size."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dp_replicate <= 1:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(device_type, (dp_replicate, world // dp_replicate),
+                            mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def sharded_model(cfg, *, attn: str, device, world: int):
+    """(model, n_ac): built on the meta device, activation checkpointing, FSDP2 (or HSDP), then each
+    rank allocates and reads only its own shards from the HF safetensors."""
+    from entrypoint.hf_checkpoint import load_sharded
+    from entrypoint.model import build_on_meta, rebuild_buffers
+
+    p = cfg.parallel
+    model = build_on_meta(cfg.model.path, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
+    n_ac = apply_activation_checkpointing(model, p.activation_checkpoint, p.ac_every)
+    apply_fsdp(model, build_mesh(device.type, world, p.dp_replicate), param_dtype=p.param_dtype,
+               reduce_dtype=p.reduce_dtype, reshard_after_forward=p.reshard_after_forward)
+    model.to_empty(device=device)
+    load_sharded(model, cfg.model.path)
+    rebuild_buffers(model, device)
+    return model, n_ac

@@ -88,7 +88,10 @@ def run_step(model, optimizer, scheduler, mbs: list[MicroBatch], *, device: torc
     # gradient is exactly d(sum of token losses)/d(theta) / global count.
     scale = (world / counts[N_LOSS].clamp(min=1)).float()
     local_sum = torch.zeros((), device=device)
-    for mb in mbs:
+    sync = getattr(model, "set_requires_gradient_sync", None)
+    for k, mb in enumerate(mbs):
+        if sync is not None:   # reduce-scatter once per step, on the last micro-batch, not after each one
+            sync(k == len(mbs) - 1)
         ls = loss_sum(model, to_device(mb.inputs, device), mb.labels.to(device, non_blocking=True),
                       loss_chunk_tokens)
         (ls * scale).backward()

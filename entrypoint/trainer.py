@@ -22,10 +22,10 @@ from entrypoint.checkpoint import Checkpointer, CheckpointError, resume_candidat
 from entrypoint.console import Console
 from entrypoint.corpus import Corpus, read_corpus
 from entrypoint.evaluate import EvalState, Evaluator
-from entrypoint.export import export_hf
+from entrypoint.hf_checkpoint import export as hf_export
 from entrypoint.metrics import FlopModel, IntervalMeter, device_peak_flops, flop_model
-from entrypoint.model import load_model_for_sharding, load_tokenizer, materialize, resolve_attention
-from entrypoint.parallelize import DTYPES, apply_activation_checkpointing, apply_fsdp
+from entrypoint.model import load_tokenizer, resolve_attention
+from entrypoint.parallelize import DTYPES, sharded_model
 from entrypoint.plan import RunPlan
 from entrypoint.profiling import StepProfiler
 from entrypoint.sampler import PackedSampler
@@ -115,20 +115,14 @@ class Trainer:
 
         lock_attn = (plan.lock or {}).get("attn_implementation")
         attn = resolve_attention(cfg.model.attn_implementation, lock_attn, device.type)
-        model, full_sd = load_model_for_sharding(cfg.model.path, attn_implementation=attn, rank=rank,
-                                                 world_size=world, trust_remote_code=cfg.model.trust_remote_code)
-        flops = flop_model(model, model.config)  # shapes only, so meta tensors are fine
+        model, n_ac = sharded_model(cfg, attn=attn, device=device, world=world)
+        flops = flop_model(model, model.config)
         n_params = sum(p.numel() for p in model.parameters())
         p = cfg.parallel
-        n_ac = apply_activation_checkpointing(model, p.activation_checkpoint, p.ac_every)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        apply_fsdp(model, init_device_mesh(device.type, (world,)), param_dtype=p.param_dtype,
-                   reduce_dtype=p.reduce_dtype, reshard_after_forward=p.reshard_after_forward)
-        materialize(model, full_sd, device)
-        del full_sd
-        con.info(f"model: {n_params / 1e6:.2f}M params, attn={attn}, FSDP2 over {world} ranks, "
-                 f"param_dtype={p.param_dtype}, AC on {n_ac} layers, batches={sampler.scheme}")
+        layout = (f"HSDP {p.dp_replicate} replicas x {world // p.dp_replicate} shards" if p.dp_replicate > 1
+                  else f"FSDP2 over {world} ranks")
+        con.info(f"model: {n_params / 1e6:.2f}M params, attn={attn}, {layout}, param_dtype={p.param_dtype}, AC on "
+                 f"{n_ac} layers, batches={sampler.scheme}")
 
         t = cfg.train
         by_epochs = steps_for_epochs(sampler, t.epochs, world, t.grad_accum)
@@ -140,7 +134,7 @@ class Trainer:
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                                       weight_decay=t.weight_decay, fused=device.type == "cuda")
         ckpt = Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, rank=rank, world_size=world,
-                            device=device)
+                            device=device, asynchronous=cfg.checkpoint.async_save, log=con.info)
         totals = RunTotals(launched_at=plan.launched_at, world=world,
                            peak_flops=device_peak_flops(cfg.output.peak_tflops))
         evaluator = None
@@ -244,6 +238,7 @@ class Trainer:
                 outcome = self.train_step()
                 profiler.after_step(self.step)
                 self.totals.first_step_done()
+                self.ckpt.poll()   # commit an async checkpoint whose write has completed
                 self.pending.append(outcome.pending)
                 step_seconds += outcome.pending.data_s + outcome.pending.compute_s
                 if self.step % cfg.output.log_every == 0 or self.step == self.total_steps or \
@@ -256,7 +251,7 @@ class Trainer:
                     interval_start = time.perf_counter()
                 if outcome.stop_requested:
                     self.interrupted = True
-                    self.save()
+                    self.save(wait=True)   # waits for a save in flight, then writes this one whole
                     return
                 improved = False
                 if self.evaluator and cfg.train.eval_every and (self.step % cfg.train.eval_every == 0
@@ -265,15 +260,18 @@ class Trainer:
                     improved = self.evaluate(metrics)
                     interval_start += time.perf_counter() - t_eval   # evaluation is not step time
                     if self.early_stopped:
-                        self.save()
+                        self.save(wait=True)
                         return
                 if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or \
                         (improved and cfg.checkpoint.keep_best):
                     t_save = time.perf_counter()
                     self.save()
-                    saved_s = time.perf_counter() - t_save
-                    interval_start += saved_s  # checkpoint time is not step time
-                    self.con.info(f"checkpoint step {self.step} saved in {saved_s:.1f}s")
+                    interval_start += time.perf_counter() - t_save  # checkpoint time is not step time
+                if cfg.checkpoint.export_every and self.step % cfg.checkpoint.export_every == 0 and \
+                        self.step < self.total_steps:
+                    t_export = time.perf_counter()
+                    self.export(self.out / "exports" / f"step-{self.step:08d}")
+                    interval_start += time.perf_counter() - t_export
         finally:
             profiler.close()
             metrics.close()
@@ -317,7 +315,7 @@ class Trainer:
                 "lr": self.scheduler.get_last_lr()[0], "grad_norm": last.grad_norm, "loss_tokens": last.n_loss,
                 **meter.summary(wall_s, self.world, self.totals.peak_flops)}
 
-    def save(self) -> None:
+    def save(self, *, wait: bool = False) -> None:
         from entrypoint.resume import run_config
 
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict(),
@@ -326,19 +324,30 @@ class Trainer:
                  "total_steps": self.total_steps, "complete": self.step >= self.total_steps or self.early_stopped,
                  "eval": self.evals.to_dict(), "early_stopped": self.early_stopped}
         self.ckpt.save(self.step, self.model, self.optimizer, state,
-                       protect=self.evals.best_step if self.cfg.checkpoint.keep_best else None)
+                       protect=self.evals.best_step if self.cfg.checkpoint.keep_best else None, wait=wait)
         self.last_saved = self.step
+
+    def export(self, out_dir: Path) -> Path | None:
+        """The model as HF safetensors every rank writes its part of (hf_checkpoint.export)."""
+        from entrypoint.rundir import real_dir
+
+        if self.rank == 0:
+            real_dir(out_dir.parent)
+        started = time.perf_counter()
+        exported = hf_export(self.model, self.model.config, self.tokenizer, Path(self.cfg.model.path), out_dir,
+                             dtype=DTYPES[self.cfg.checkpoint.export_dtype], rank=self.rank,
+                             barrier=self.ckpt.barrier)
+        self.con.info(f"exported HF safetensors to {out_dir} in {time.perf_counter() - started:.1f}s")
+        return exported
 
     def finish(self) -> dict:
         exported = None
         if not self.interrupted:
             if self.last_saved != self.step:
-                self.save()
+                self.save(wait=True)
+            self.ckpt.wait()
             if self.cfg.checkpoint.export:
-                exported = export_hf(self.model, self.model.config, self.tokenizer, self.out / "final",
-                                     dtype=DTYPES[self.cfg.checkpoint.export_dtype], rank=self.rank)
-                if exported:
-                    self.con.info(f"exported HF safetensors to {exported}")
+                exported = self.export(self.out / "final")
         c = self.corpus
         return {"final_loss": self.last_loss, "final_step": self.step, "resumed_from": self.resumed_from,
                 "interrupted": self.interrupted, "bad_rows": c.bad.to_dict(), "documents": len(c),
