@@ -41,6 +41,7 @@ class ExampleValues:
     job_name: str         # a DNS label for the PyTorchJob and its pods
     uid: int              # the image's fixed non-root user
     gid: int
+    stop_grace_seconds: int   # launch.stop_grace_seconds of the image's finetune defaults
 
 
 def render_example(plan: BuildPlan, out_dir: Path, kind: str) -> str:
@@ -59,7 +60,21 @@ def example_values(plan: BuildPlan, record: PushRecord) -> ExampleValues:
     if not re.fullmatch(DNS_LABEL, job):  # the image name grammar makes this unreachable; kept as a guard
         raise BuildFailure(f"cannot derive a Kubernetes job name from {plan.spec.name!r}", "rename the image")
     return ExampleValues(image=record.reference, enroot_image=f"{registry}#{path}@{record.digest}",
-                         image_name=plan.spec.name, job_name=job, uid=plan.spec.runtime.uid, gid=plan.spec.gid)
+                         image_name=plan.spec.name, job_name=job, uid=plan.spec.runtime.uid, gid=plan.spec.gid,
+                         stop_grace_seconds=stop_grace_seconds(plan))
+
+
+def stop_grace_seconds(plan: BuildPlan) -> int:
+    """The image's launch.stop_grace_seconds (validated with its finetune defaults at build time)."""
+    from contracts.finetune_config import build_config, set_dotted
+
+    layer: dict = {}
+    for key, value in (plan.spec.finetune_defaults or {}).items():
+        if isinstance(value, dict):
+            layer[key] = dict(value)
+        else:
+            set_dotted(layer, key, value)
+    return build_config([layer], require_paths=False).launch.stop_grace_seconds
 
 
 def read_push_record(out_dir: Path, plan: BuildPlan) -> PushRecord:

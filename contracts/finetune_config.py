@@ -233,6 +233,10 @@ class LaunchConfig:
     rdzv: Literal["auto", "static", "c10d"] = "auto"  # auto: static on 1 node / c10d when RDZV_ENDPOINT is set
     master_port: int = field(default=0, metadata=rule(ge=0, le=65535, fix="set launch.master_port in 1..65535 "
                                                       "(0 = pick a free port)"))
+    stop_grace_seconds: int = field(default=600, metadata=rule(ge=30, le=86400, fix="set launch.stop_grace_seconds "
+                                                               "in 30..86400"))  # how long a stop signal may take:
+    #                                       the deploy examples give the pods this grace period; size it from
+    #                                       the logged checkpoint time (a stop waits for a save, then saves)
     timeout_minutes: int = field(default=30, metadata=rule(ge=1, le=24 * 60, fix="set launch.timeout_minutes "
                                                            "in 1..1440"))  # collective timeout: how long a
     #                                       rank waits for the others before the run fails

@@ -204,7 +204,7 @@ class Checkpointer:
     rank) and loads them back (read_state/load)."""
 
     def __init__(self, root: Path, *, keep: int, rank: int, world_size: int, device: torch.device | None = None,
-                 asynchronous: bool = False, log=None):
+                 asynchronous: bool = False, log=None, grace_seconds: int | None = None):
         self.root = root
         self.keep = keep
         self.rank = rank
@@ -213,6 +213,7 @@ class Checkpointer:
         self.asynchronous = asynchronous
         self.log = log or (lambda _m: None)
         self.inflight: InFlight | None = None
+        self.grace_seconds = grace_seconds
         # the background writer's collectives must not share the training group's (NCCL) stream
         self.async_group = dist.new_group(backend="gloo") if asynchronous else None
 
@@ -306,8 +307,11 @@ class Checkpointer:
         atomic.fsync_dir(self.root)
         self._prune(saved.protect)
         on_disk = sum(p.stat().st_size for p in saved.final.iterdir() if p.is_file())
-        self.log(f"checkpoint step {saved.step} committed in {time.perf_counter() - saved.started:.1f}s "
-                 f"({on_disk / 2 ** 30:.2f} GiB)")
+        took = time.perf_counter() - saved.started
+        self.log(f"checkpoint step {saved.step} committed in {took:.1f}s ({on_disk / 2 ** 30:.2f} GiB)")
+        if self.grace_seconds and 2 * took > self.grace_seconds:
+            self.log(f"WARNING: a stop waits for a save in flight and then saves again (~{2 * took:.0f}s), more than "
+                     f"launch.stop_grace_seconds={self.grace_seconds}: raise it (and the pods' grace period)")
 
     def _prune(self, protect: int | None = None) -> None:
         for old in list_checkpoints(self.root)[:-self.keep]:

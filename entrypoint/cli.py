@@ -20,6 +20,7 @@ EXIT_GATE = 3          # verify did not pass and no override was given
 REQUIRE_VERIFY_ENV = "FTIMAGE_REQUIRE_VERIFY"
 USAGE = """usage: python -m entrypoint {finetune,inspect-data,verify,gate,info,shell} ... | COMMAND [ARGS]
   finetune --config CONFIG.yaml [--allow-fallback] [--print-config] [--json-logs] [KEY=VALUE ...]
+  finetune export --checkpoint step-N --config CONFIG.yaml   a kept checkpoint as HF safetensors
   inspect-data --config CONFIG.yaml [--rows N] [--json]   what the trainer will train on, trained tokens marked
   verify [verify args]     run the preflight checks (python -m verify)
   gate [--allow-fallback] [--model DIR] [--param-dtype D] -- COMMAND [ARGS]

@@ -46,7 +46,31 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def export(argv: list[str]) -> int:
+    """`finetune export --checkpoint step-N`: a kept checkpoint as HF safetensors, on its own."""
+    from contracts.finetune_config import ConfigError
+    from entrypoint.export_run import prepare_export
+    from entrypoint.finetune import FinetuneError
+    from entrypoint.supervise import run_agent
+
+    p = argparse.ArgumentParser(prog="python -m entrypoint finetune export",
+                                description="export a kept checkpoint as HF safetensors to <output.dir>/exports/step-N")
+    p.add_argument("--checkpoint", required=True, help="step-N under <output.dir>/checkpoints, or a step folder")
+    p.add_argument("--config", help="the run's finetune YAML (model, output.dir, parallel, export dtype)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    args = p.parse_intermixed_args(argv)
+    try:
+        launch = prepare_export(config_file=args.config, overrides=list(args.overrides), checkpoint=args.checkpoint,
+                                env=dict(os.environ), log=log)
+    except (ConfigError, FinetuneError) as exc:
+        err(str(exc), getattr(exc, "fix", ""))
+        return EXIT_USAGE
+    return run_agent(launch.argv, launch.env, launch.plan.config.output.dir, events=None, log=log)
+
+
 def finetune(argv: list[str]) -> int:
+    if argv[:1] == ["export"]:
+        return export(argv[1:])
     from contracts.events import EventLog
     from contracts.finetune_config import ConfigError
     from entrypoint.console import JSON_LOGS_ENV

@@ -83,6 +83,12 @@ def die_with_launcher() -> None:
 def run(plan: RunPlan, stop: StopRequest) -> dict:
     cfg = plan.config
     rank, world, device = collectives.init_distributed(cfg.launch.timeout_minutes)
+    if plan.action == "export":
+        from entrypoint.export_run import run_export
+
+        result = run_export(plan, rank, world, device)
+        collectives.barrier(device)
+        return result
     if plan.allow_fallback:
         Console(rank).every_rank(
             "WARNING: --allow-fallback: training although verify did not pass "
@@ -134,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
     if result["interrupted"]:
         result["stop_signal"] = stop.signal_name or "another rank's"
+    if plan.action == "export":
+        return 0
     if rank == 0:
         status = "interrupted" if result["interrupted"] else "early_stopped" if result.get("early_stopped") else \
             "completed"

@@ -134,7 +134,8 @@ class Trainer:
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                                       weight_decay=t.weight_decay, fused=device.type == "cuda")
         ckpt = Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, rank=rank, world_size=world,
-                            device=device, asynchronous=cfg.checkpoint.async_save, log=con.info)
+                            device=device, asynchronous=cfg.checkpoint.async_save, log=con.info,
+                            grace_seconds=cfg.launch.stop_grace_seconds)
         totals = RunTotals(launched_at=plan.launched_at, world=world,
                            peak_flops=device_peak_flops(cfg.output.peak_tflops))
         evaluator = None
