@@ -92,8 +92,8 @@ def main(argv=None) -> int:
     print(f"{args.ranks} ranks, one epoch each, packed 512-token rows")
     for docs, rows in results.items():
         for r in rows:
-            print(f"  {docs:>8} docs  rank {r['rank']}: {r['tokens']:>11,} tokens  RssAnon {r['rss_anon'] / 2**20:7.1f} "
-                  f"MiB  RssFile {r['rss_file'] / 2**20:7.1f} MiB")
+            print(f"  {docs:>8} docs  rank {r['rank']}: {r['tokens']:>11,} tokens  "
+                  f"RssAnon {r['rss_anon'] / 2**20:7.1f} MiB  RssFile {r['rss_file'] / 2**20:7.1f} MiB")
     growth = max(b["rss_anon"] / a["rss_anon"] for a, b in zip(small, large))
     print(f"RssAnon growth for {args.scale}x the corpus: {growth:.3f}x; target < 1.10: "
           f"{'PASS' if growth < 1.10 else 'FAIL'}")

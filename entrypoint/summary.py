@@ -3,7 +3,7 @@ tokens trained, mean tokens/s, MFU, peak memory and the best eval loss (where on
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from contracts.events import format_seconds
 from entrypoint.metrics import peak_memory_bytes
@@ -21,6 +21,13 @@ class RunTotals:
     first_step_at: float | None = None
     best_eval_loss: float | None = None
     best_step: int | None = None
+    host_peaks: dict[str, float] = field(default_factory=dict)   # phase -> this rank's peak host RSS (GiB)
+
+    def mark_host_peak(self, phase: str) -> None:
+        """The process's peak RSS so far (ru_maxrss), at the end of `phase` (load, steps, export)."""
+        import resource
+
+        self.host_peaks[phase] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 3)
 
     def first_step_done(self) -> None:
         if self.first_step_at is None:

@@ -145,6 +145,7 @@ class Trainer:
                                   loss_chunk_tokens=cfg.train.loss_chunk_tokens)
             con.info(f"evaluation: {len(evaluator.corpus)} held-out documents in {len(evaluator.batches)} "
                      f"micro-batches, every {cfg.train.eval_every} steps and at the end")
+        totals.mark_host_peak("load")
         return cls(cfg=cfg, plan=plan, rank=rank, world=world, device=device, con=con, tokenizer=tokenizer,
                    corpus=corpus, sampler=sampler, model=model, optimizer=optimizer,
                    scheduler=schedule(optimizer, cfg, total_steps), ckpt=ckpt, flops=flops, attn=attn,
@@ -343,14 +344,21 @@ class Trainer:
 
     def finish(self) -> dict:
         exported = None
+        self.totals.mark_host_peak("steps")
         if not self.interrupted:
             if self.last_saved != self.step:
                 self.save(wait=True)
             self.ckpt.wait()
             if self.cfg.checkpoint.export:
                 exported = self.export(self.out / "final")
+        self.totals.mark_host_peak("export")
+        import torch.distributed as dist
+
+        peaks: list = [None] * self.world
+        dist.all_gather_object(peaks, self.totals.host_peaks)   # every rank's, into run_report.json
         c = self.corpus
         return {"final_loss": self.last_loss, "final_step": self.step, "resumed_from": self.resumed_from,
+                "host_peak_rss_gib": {phase: [p.get(phase) for p in peaks] for phase in ("load", "steps", "export")},
                 "interrupted": self.interrupted, "bad_rows": c.bad.to_dict(), "documents": len(c),
                 "rows_read": c.n_rows, "tokens": c.n_tokens, "data_fingerprint": c.fingerprint(),
                 "exported": str(exported) if exported else None, "world_size": self.world,
