@@ -1,6 +1,6 @@
 """Tokenising through `datasets` (Dataset.map, num_proc) vs the in-process row reader, side by side.
 
-    python bench/tokenize.py [--rows 50000] [--num-proc 2]
+    python bench/tokenizing.py [--rows 50000] [--num-proc 2]
 
 Both paths run the same reading, schema, chat-template rendering and masking code on the same
 ultrachat-shaped rows and the same tokenizer (built here, offline); only the driver differs:
@@ -27,7 +27,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-proc", type=int, default=2)
     args = ap.parse_args(argv)
     from contracts.finetune_config import build_config
-    from entrypoint.data import load_corpus, read_rows, tokenize_rows
+    from entrypoint.corpus_build import load_corpus
+    from entrypoint.data import read_rows, tokenize_rows
     from entrypoint.model import load_tokenizer
     from tests.fixtures.chat import synthetic_conversations, write_tokenizer
 

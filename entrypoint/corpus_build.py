@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from entrypoint.corpus import BadRows, open_source, read_corpus, write_manifest
+from entrypoint.corpus import BadRows, Corpus, open_source, read_corpus, write_manifest
 from entrypoint.datasource import Source, resolve
 
 
@@ -129,4 +129,28 @@ def build(cfg, tokenizer, cache_dir: Path, *, log: Callable[[str], None], events
     return Built(train=train, eval=evaluation)
 
 
-__all__ = ["Built", "build", "read_corpus", "resolve_all"]
+
+
+def load_corpus(cfg, tokenizer, events=None, cache_dir: Path | None = None) -> Corpus:
+    """The training corpus `cfg` describes (a FinetuneConfig, or just its DataConfig), built through
+    datasets into `cache_dir` (default: this user's private scratch)."""
+    from contracts.finetune_config import DataConfig, FinetuneConfig
+    from entrypoint.datasource import DataError
+
+    if isinstance(cfg, DataConfig):
+        cfg = FinetuneConfig(data=cfg)
+    if cache_dir is None:
+        from verify.scratch import private_scratch
+
+        cache_dir = private_scratch() / "datasets"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    corpus = read_corpus(build(cfg, tokenizer, cache_dir, log=lambda _m: None, events=events).train)
+    if len(corpus) == 0:
+        where = cfg.data.path or ", ".join(s.path for s in cfg.data.sources)
+        raise DataError(f"no usable rows in {where} ({corpus.n_rows} read; bad: {corpus.bad.counts})",
+                        f"check that the rows match data.schema={cfg.data.schema} (inspect-data shows each row's "
+                        "verdict)")
+    return corpus
+
+
+__all__ = ["Built", "build", "load_corpus", "read_corpus", "resolve_all"]

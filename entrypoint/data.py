@@ -25,52 +25,11 @@ import numpy as np
 from contracts.collate import IGNORE_INDEX
 from entrypoint.corpus import BadRows, Corpus
 from entrypoint.datasource import DataError
+from entrypoint.rows import TooLarge, parse_line, read_raw_lines, row_problem
 from entrypoint.schemas import BadRow, Chat, Plain, convert
 
 IGNORE = IGNORE_INDEX
-__all__ = ["BadRows", "Corpus", "DataError", "IGNORE", "load_corpus", "read_rows", "tokenize_rows"]
-
-
-@dataclass(frozen=True)
-class TooLarge:
-    limit: int
-
-
-def read_raw_lines(path: str, max_row_bytes: int = 8 << 20, progress=None) -> Iterator[str | None | TooLarge]:
-    """Each non-blank line of a JSON-lines file as text; None when it is not UTF-8, TooLarge when it
-    is over max_row_bytes (the rest of that line is skipped without being kept)."""
-    p = Path(path)
-    total = p.stat().st_size
-    count = 0
-    with p.open("rb") as fh:
-        while True:
-            raw = fh.readline(max_row_bytes + 1)
-            if not raw:
-                return
-            if len(raw) > max_row_bytes and not raw.endswith(b"\n"):
-                while (more := fh.readline(1 << 20)) and not more.endswith(b"\n"):
-                    pass  # skip the rest of the line without keeping it
-                yield TooLarge(max_row_bytes)
-            elif raw.strip():
-                try:
-                    yield raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    yield None
-            else:
-                continue
-            count += 1
-            if progress is not None and count % 256 == 0:
-                progress(fh.tell(), total)
-
-
-def parse_line(raw: str | None | TooLarge) -> object:
-    """The row a raw line holds, or a marker the encoder turns into its bad-row reason."""
-    if isinstance(raw, TooLarge) or raw is None:
-        return raw
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, RecursionError):
-        return raw   # text that is not JSON: counted as invalid_json
+__all__ = ["BadRows", "Corpus", "DataError", "IGNORE", "TooLarge", "read_rows", "tokenize_rows"]
 
 
 def read_rows(path: str, fmt: str = "auto", max_rows: int = 0, max_row_bytes: int = 8 << 20,
@@ -98,19 +57,6 @@ def read_rows(path: str, fmt: str = "auto", max_rows: int = 0, max_row_bytes: in
         if max_rows and count >= max_rows:
             return
         yield count, parse_line(raw)
-
-
-def row_problem(row: object) -> str:
-    """The reason for a row the front door already knows is bad ("" when it is an object)."""
-    if isinstance(row, TooLarge):
-        return "row_too_large"
-    if row is None:
-        return "not_utf8"
-    if isinstance(row, str):
-        return "invalid_json"
-    if not isinstance(row, dict):
-        return "not_an_object"
-    return ""
 
 
 def validate_row(row: object, messages_field: str, max_messages: int = 4096) -> tuple[list[dict] | None, str]:
@@ -350,26 +296,3 @@ def tokenize_source(source, tokenizer, cfg, cache_dir: Path, *, schema: str, eve
     atomic.write_json(staging / "summary.json", done, sort_keys=True)
     atomic.publish_dir(staging, out_dir, replace=True)   # the corpus appears whole or not at all
     return done
-
-
-def load_corpus(cfg, tokenizer, events=None, cache_dir: Path | None = None) -> Corpus:
-    """The training corpus `cfg` describes (a FinetuneConfig, or just its DataConfig), built through
-    datasets into `cache_dir` (default: this user's private scratch)."""
-    from contracts.finetune_config import DataConfig, FinetuneConfig
-    from entrypoint.corpus import read_corpus
-    from entrypoint.corpus_build import build
-
-    if isinstance(cfg, DataConfig):
-        cfg = FinetuneConfig(data=cfg)
-    if cache_dir is None:
-        from verify.scratch import private_scratch
-
-        cache_dir = private_scratch() / "datasets"
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    corpus = read_corpus(build(cfg, tokenizer, cache_dir, log=lambda _m: None, events=events).train)
-    if len(corpus) == 0:
-        where = cfg.data.path or ", ".join(s.path for s in cfg.data.sources)
-        raise DataError(f"no usable rows in {where} ({corpus.n_rows} read; bad: {corpus.bad.counts})",
-                        f"check that the rows match data.schema={cfg.data.schema} (inspect-data shows each row's "
-                        "verdict)")
-    return corpus

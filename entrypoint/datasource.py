@@ -150,7 +150,7 @@ def _check_parquet_footers(files: tuple[str, ...], max_row_group_bytes: int) -> 
 def _json_lines(files: list[str], max_row_bytes: int, max_rows: int):
     """Raw lines for the tokenizer map: the reader's verdict, never a parsed object (a hostile
     row's shape must not decide the dataset's schema)."""
-    from entrypoint.data import TooLarge, read_raw_lines
+    from entrypoint.rows import TooLarge, read_raw_lines
 
     count = 0
     for path in files:

@@ -95,7 +95,7 @@ def print_config(config_file: str | None, overrides: list[str], flags: list[str]
                 lines.append(f"{dotted:<34} {json.dumps(value):<28} {source.get(dotted, 'built-in default')}")
 
     walk(cfg.to_dict(), "")
-    return "\n".join([f"{'KEY':<34} {'VALUE':<28} SET BY", *lines, "", mesh_line(cfg)])
+    return "\n".join([f"{'KEY':<34} {'VALUE':<28} SET BY", *lines, mesh_line(cfg)])
 
 
 def mesh_line(cfg: FinetuneConfig) -> str:

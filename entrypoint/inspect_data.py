@@ -53,7 +53,7 @@ def document_record(tokenizer, row: int, ids: np.ndarray, labels: np.ndarray) ->
 
 def inspect(cfg, tokenizer, *, rows: int, as_json: bool, colour: bool, out=sys.stdout) -> dict:
     """Tokenize the whole configured data (so the summary counts every row), show the first `rows`."""
-    from entrypoint.data import load_corpus
+    from entrypoint.corpus_build import load_corpus
 
     corpus = load_corpus(cfg, tokenizer)
     shown = []

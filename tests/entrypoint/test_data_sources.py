@@ -29,7 +29,7 @@ def _trained(tokenizer, corpus) -> list[list[str]]:
 
 
 def _load(tmp_path, tokenizer, **data):
-    from entrypoint.data import load_corpus
+    from entrypoint.corpus_build import load_corpus
 
     return load_corpus(_cfg(**data), tokenizer, cache_dir=tmp_path / "cache")
 

@@ -46,6 +46,7 @@ def test_print_config_names_the_layer_that_set_each_key(fixture_dir):
     assert rows["packing.mode"].split()[1:] == ['"padded"', "flag"]
     assert rows["data.path"].endswith(f"file {fixture_dir.config}")
     assert rows["train.beta1"].endswith("built-in default")
+    assert rows["mesh:"].startswith("mesh: ") and "flat FSDP" in rows["mesh:"] and "per-GPU state" in rows["mesh:"]
     assert "Traceback" not in r.stderr
 
 
@@ -160,7 +161,7 @@ GOOD = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "ass
 ])
 def test_hostile_rows_are_counted_not_fatal(tokenizer, tmp_path, bad, reason):
     from contracts.finetune_config import DataConfig
-    from entrypoint.data import load_corpus
+    from entrypoint.corpus_build import load_corpus
 
     path = _rows(tmp_path, (GOOD + "\n").encode() + bad + b"\n" + (GOOD + "\n").encode())
     corpus = load_corpus(DataConfig(path=str(path), max_length=256, max_row_bytes=4096), tokenizer)
@@ -170,7 +171,8 @@ def test_hostile_rows_are_counted_not_fatal(tokenizer, tmp_path, bad, reason):
 @pytest.mark.parametrize("raw", [b"", b"\x00\x01\x02\x03binary" * 10, b"\n\n\n"], ids=["empty", "binary", "blank"])
 def test_file_with_no_usable_rows_is_one_clear_error(tokenizer, tmp_path, raw):
     from contracts.finetune_config import DataConfig
-    from entrypoint.data import DataError, load_corpus
+    from entrypoint.corpus_build import load_corpus
+    from entrypoint.data import DataError
 
     with pytest.raises(DataError) as info:
         load_corpus(DataConfig(path=str(_rows(tmp_path, raw)), max_length=256), tokenizer)

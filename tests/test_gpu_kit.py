@@ -1,0 +1,94 @@
+"""The GPU proof kit's own machinery, on CPU: phase limits that fire (process group and
+grandchildren killed), results that merge across runs, a results folder that cannot be written,
+and the Triton payload's checks."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.kit_runner import TIMED_OUT, ResultsNotWritable, Runner
+
+pytestmark = pytest.mark.unit
+
+# a phase that starts a grandchild in its own session (as torchrun does with its workers), then
+# outlives its limit; both would leave a marker file if they lived on
+SLOW = """
+import os, subprocess, sys, time
+marker = sys.argv[1]
+subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(6); open({marker!r} + '.grandchild', 'w')"],
+                 start_new_session=True)
+print("started", flush=True)
+time.sleep(6)
+open(marker + ".child", "w")
+"""
+
+
+def test_a_phase_over_its_limit_is_killed_with_its_grandchildren(tmp_path):
+    runner = Runner(tmp_path / "results", deadline_s=600, echo=lambda _l: None)
+    marker = tmp_path / "marker"
+    code = runner.run("slow", [sys.executable, "-c", SLOW, str(marker)], timeout=2)
+    assert code == TIMED_OUT
+    record = json.loads((tmp_path / "results" / "phases.json").read_text())["slow"]
+    assert record["timed_out"] is True and record["exit_code"] == TIMED_OUT
+    time.sleep(7)     # longer than either would have taken: neither may have written its marker
+    assert not Path(str(marker) + ".child").exists() and not Path(str(marker) + ".grandchild").exists()
+    assert "started" in (tmp_path / "results" / "kit.log").read_text()
+
+
+def test_the_overall_deadline_caps_every_phase_and_results_merge_across_runs(tmp_path):
+    results = tmp_path / "results"
+    first = Runner(results, deadline_s=600, echo=lambda _l: None)
+    assert first.run("quick", [sys.executable, "-c", "print('ok')"], timeout=60) == 0
+    assert first.run("late", [sys.executable, "-c", "import time; time.sleep(30)"], timeout=1) == TIMED_OUT
+    second = Runner(results, deadline_s=3, echo=lambda _l: None)
+    assert second.done("quick") and not second.done("late")      # a second run finishes what is left
+    assert second.run("late", [sys.executable, "-c", "print(1)"], timeout=60) == TIMED_OUT   # < 5 s left
+    assert json.loads((results / "phases.json").read_text())["late"]["skipped"] == "out of time"
+
+
+def test_a_results_folder_that_is_not_writable_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ResultsNotWritable) as info:
+        Runner(tmp_path / "file" / "results", deadline_s=60, echo=lambda _l: None)
+    assert "--results" in info.value.fix
+
+
+def test_the_triton_payload_is_checked_before_use(tmp_path, monkeypatch):
+    import lzma
+    import tarfile
+
+    from bench import kit_triton
+
+    kit = tmp_path / "kit"
+    (kit / "triton").mkdir(parents=True)
+    tree = tmp_path / "tree" / "triton"
+    tree.mkdir(parents=True)
+    (tree / "__init__.py").write_text("__version__ = '3.7.1'\n")
+    with lzma.open(kit / "triton" / "triton.tar.xz", "wb") as xz, tarfile.open(fileobj=xz, mode="w") as tar:
+        tar.add(tree / "__init__.py", arcname="triton/__init__.py")
+    host = tmp_path / "host" / "triton" / "backends" / "nvidia" / "bin"
+    host.mkdir(parents=True)
+    (host / "ptxas").write_bytes(b"ptxas 12.8")
+    manifest = {"payload": "triton.tar.xz", "payload_sha256": kit_triton.sha256(kit / "triton" / "triton.tar.xz"),
+                "files": {"triton/__init__.py": kit_triton.sha256(tree / "__init__.py")},
+                "host_reused": {"triton/backends/nvidia/bin/ptxas": kit_triton.sha256(host / "ptxas")}}
+    (kit / "triton" / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(kit_triton, "host_triton_dir", lambda _python: tmp_path / "host" / "triton")
+    env = kit_triton.stage(kit, tmp_path / "site", sys.executable)
+    assert (tmp_path / "site" / "triton" / "__init__.py").is_file()
+    assert env["TRITON_PTXAS_PATH"] == str(host / "ptxas")
+    assert kit_triton.stage(kit, tmp_path / "site", sys.executable) == env     # idempotent
+    (host / "ptxas").write_bytes(b"ptxas 12.9")
+    with pytest.raises(kit_triton.KitTritonError, match="differs"):
+        kit_triton.stage(kit, tmp_path / "site", sys.executable)
+    (host / "ptxas").write_bytes(b"ptxas 12.8")
+    with open(kit / "triton" / "triton.tar.xz", "ab") as fh:
+        fh.write(b"tampered")
+    with pytest.raises(kit_triton.KitTritonError, match="does not match its sha256"):
+        kit_triton.stage(kit, tmp_path / "other-site", sys.executable)
+    assert not os.path.exists(tmp_path / "other-site")
