@@ -1,25 +1,29 @@
 """GPU proof kit: on a bare GPU host (no Docker, no network), compile the pinned kernels with the
-project's own recipe, then prove the fused forward and backward paths, packed isolation and
-the speed-up, in one command.
+project's own recipe, prove the fused forward and backward paths and packed isolation with
+verify, train with the image's own `finetune`, and benchmark fused vs fallback, in one command.
 
     python3 bench/gpu_proof.py [--results DIR]          # on the GPU host, from the repo root
     python3 bench/gpu_proof.py --rehearse [--python PY]  # here: every step that needs no GPU
     python3 bench/gpu_proof.py --prepare                 # fetch what must travel into .kit/
 
-Phases, each writing its result file as soon as it ends (a timeout late in the run keeps the
-earlier results; at most 8 small files in the results folder):
-  1 stage     install the carried pure-Python wheels (.kit/wheels) into a --target folder
-  2 compile   `python -m build kernels build-here images/qwen27b --arch sm_90`: the pinned sdists
-              and patches from .kit/cache, the image's knobs and specialisation, the same wheel
-              checks (ABI import, entry points, SASS for sm_90 and nothing else) -> compile.json,
-              and a lock for this environment -> build.lock.json
-  3 refusal   the specialised flash-attn refuses what it was not compiled for (GPU) -> refusal.json
-  4 verify    `python -m verify` against that lock: environment, model fit, dispatch, fused fwd+bwd
-              with profiler kernel names, isolation with its negative control -> verify.json
-  5 bench     bench/gpu_bench.py: fused vs fallback, packed vs padded -> bench.json
-  6 summary   one table -> summary.txt (and phases.json: each phase's seconds and status)
+Phases, in priority order (what matters most runs first), each recorded in DIR/phases.json as it
+ends; a second run skips what passed and finishes the rest:
+  stage     the carried pure-Python wheels and the trimmed Triton 3.7.1 (bench/kit_triton.py) into
+            the kit's site folder, first on PYTHONPATH
+  compile   `python -m build kernels build-here images/qwen27b --arch sm_90` (or, with compiled
+            wheels carried in .kit/built from an earlier run's DIR/built, no compile at all)
+  refusal   the specialised flash-attn and causal-conv1d refuse what they were not compiled for
+  verify    every verify row against the kit's lock, with no override
+  finetune  bench/kit_finetune.py: the image's own finetune (SIGTERM, resume, export, generate,
+            fused vs fallback losses)
+  bench     bench/gpu_bench.py: fused vs fallback (and transformers <= 5.16's reference), packed vs
+            padded, the 27B per-layer widths at 4 and 8 layers
+  summary   DIR/summary.txt, written even when a phase fails or time runs out
+Each phase runs in its own process group under a limit (its own, and what is left of --deadline,
+8 min 50 s by default); at the limit the group and its workers are killed.
 
-What this proves, and what it does not: see verify/README.md ("Proof on a GPU host").
+The kit runs the project's code with PYTHONPATH (not the image's isolated `-I`, which drops
+PYTHONPATH): the compiled wheels and the trimmed Triton must come first on the path.
 """
 from __future__ import annotations
 
@@ -34,104 +38,118 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.kit_runner import ResultsNotWritable, Runner  # noqa: E402
+
 KIT = REPO / ".kit"
 IMAGE = "images/qwen27b"
 ARCH = "sm_90"
 CARRY_LIMIT = 64 << 20
-# Pure-Python wheels the GPU host lacks (pinned here: the kit installs them with --no-deps).
-CARRIED_WHEELS = ("pyelftools==0.32",)
-PHASE_TIMEOUTS = {"compile": 330, "refusal": 90, "verify": 240, "bench": 330}
+CARRIED_WHEELS = ("pyelftools==0.32",)   # pure-Python wheels the GPU host lacks (installed --no-deps)
+LIMITS = {"stage": 60, "compile": 330, "refusal": 60, "verify": 200, "finetune": 300, "bench": 330}
+DEADLINE = 530
 
 
 class Kit:
-    def __init__(self, results: Path, python: str, rehearse: bool):
-        self.results = results
+    def __init__(self, runner: Runner, python: str, rehearse: bool):
+        self.runner = runner
+        self.results = runner.results
         self.python = python
         self.rehearse = rehearse
         self.work = Path(os.environ.get("FTIMAGE_PROOF_WORK", "/tmp/ftimage-proof"))
         self.site = self.work / "site"
-        self.phases: dict[str, dict] = {}
-        self.started = time.monotonic()
-        results.mkdir(parents=True, exist_ok=True)
-        self.log = (results / "kit.log").open("a")
-
-    def say(self, text: str) -> None:
-        line = f"[{time.monotonic() - self.started:7.1f}s] {text}"
-        print(line, flush=True)
-        self.log.write(line + "\n")
-        self.log.flush()
+        self.triton_site = self.work / "triton"
+        self.extra_env: dict[str, str] = {}
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "PYTHONPATH": f"{self.site}{os.pathsep}{REPO}", "PYTHONUNBUFFERED": "1",
-                "TRITON_CACHE_DIR": str(self.work / "triton"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "TRANSFORMERS_VERBOSITY": "error", "FTIMAGE_CACHE": str(KIT / "cache")}
+        paths = [str(self.triton_site), str(self.site), str(REPO), os.environ.get("PYTHONPATH", "")]
+        return {**os.environ, **self.extra_env, "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+                "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "TRANSFORMERS_VERBOSITY": "error", "FTIMAGE_CACHE": str(KIT / "cache"),
+                # Triton's compiled kernels and fla's autotuning results persist in the results, so a
+                # carried-back results folder skips both on the next run
+                "TRITON_CACHE_DIR": str(self.results / "triton-cache"),
+                "FTIMAGE_LOCK": str(self.results / "build.lock.json")}
 
-    def run(self, phase: str, argv: list[str], *, stdout_to: Path | None = None) -> int:
-        """Run one phase's command, streaming its output to the log; record time and status."""
-        self.say(f"=== {phase}: {' '.join(argv)}")
-        started = time.monotonic()
-        timeout = PHASE_TIMEOUTS.get(phase, 300)
-        out = stdout_to.open("w") if stdout_to else None
-        try:
-            proc = subprocess.Popen(argv, cwd=REPO, env=self.env(), stdout=out or subprocess.PIPE,
-                                    stderr=subprocess.STDOUT if out is None else subprocess.PIPE, text=True)
-            stream = proc.stdout if out is None else proc.stderr
-            for line in stream:
-                self.log.write(line)
-                if not line.startswith(("USDT:", "STAGE:")):
-                    sys.stdout.write(line)
-            code = proc.wait(timeout=max(1, timeout - (time.monotonic() - started)))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = 124
-        finally:
-            if out:
-                out.close()
-            self.log.flush()
-        seconds = round(time.monotonic() - started, 1)
-        self.phases[phase] = {"seconds": seconds, "exit_code": code}
-        self.say(f"=== {phase}: exit {code} after {seconds}s")
-        (self.results / "phases.json").write_text(json.dumps(self.phases, indent=2))
-        return code
-
-    def skip(self, phase: str, why: str) -> None:
-        self.phases[phase] = {"seconds": 0.0, "exit_code": None, "skipped": why}
-        self.say(f"=== {phase}: skipped ({why})")
-        (self.results / "phases.json").write_text(json.dumps(self.phases, indent=2))
+    def run(self, phase: str, argv: list[str], **kw) -> int:
+        return self.runner.run(phase, argv, timeout=LIMITS[phase], env=self.env(), cwd=REPO, **kw)
 
 
 def machine(kit: Kit) -> dict:
-    info = {"platform": platform.platform(), "cores": os.cpu_count()}
+    info = {"platform": platform.platform(), "cores": os.cpu_count(), "commit": _commit()}
     try:
         query = ["nvidia-smi", "--query-gpu=name,compute_cap,driver_version,memory.total", "--format=csv,noheader"]
         info["gpu"] = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         info["gpu"] = "none (no nvidia-smi)"
-    probe = ("import json, sys, shutil, sysconfig, os, importlib.metadata as md\n"
+    probe = ("import json, sys, importlib.metadata as md\n"
              "v = {}\n"
-             "for n in ('torch', 'transformers', 'triton', 'einops', 'ninja', 'setuptools', 'wheel'):\n"
+             "for n in ('torch', 'transformers', 'triton', 'fla-core', 'datasets'):\n"
              "    try: v[n] = md.version(n)\n"
              "    except md.PackageNotFoundError: v[n] = None\n"
+             "try:\n    import triton; v['triton.__version__'] = triton.__version__\n"
+             "except Exception as e: v['triton.__version__'] = repr(e)\n"
              "v['python'] = sys.version.split()[0]\n"
-             "v['python_h'] = os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h'))\n"
-             "v['cc'] = shutil.which('gcc') or shutil.which('cc'); v['nvcc'] = shutil.which('nvcc')\n"
              "print(json.dumps(v))")
-    out = subprocess.run([kit.python, "-c", probe], capture_output=True, text=True)
+    out = subprocess.run([kit.python, "-c", probe], capture_output=True, text=True, env=kit.env())
     info["python"] = json.loads(out.stdout) if out.returncode == 0 else {"error": out.stderr[-500:]}
-    kit.say(f"machine: {json.dumps(info)}")
+    kit.runner.say(f"machine: {json.dumps(info)}")
+    (kit.results / "machine.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
 
 
-def stage(kit: Kit) -> None:
+def _commit() -> str:
+    proc = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return proc.stdout.strip() or "unknown"
+
+
+def stage(kit: Kit) -> bool:
+    from bench.kit_triton import KitTritonError
+    from bench.kit_triton import stage as stage_triton
+
     wheels = sorted((KIT / "wheels").glob("*.whl"))
-    carried = sum(f.stat().st_size for f in KIT.rglob("*") if f.is_file()) if KIT.is_dir() else 0
-    kit.say(f"carried: {carried / 2 ** 20:.1f} MiB in .kit (limit {CARRY_LIMIT >> 20} MiB); wheels: "
-            f"{', '.join(w.name for w in wheels) or 'none'}")
     kit.site.mkdir(parents=True, exist_ok=True)
     if wheels:
-        kit.run("stage", [kit.python, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
-                          "--disable-pip-version-check", "--target", str(kit.site), *map(str, wheels)])
-    kit.phases.setdefault("stage", {})["carried_mib"] = round(carried / 2 ** 20, 2)
+        code = kit.run("stage", [kit.python, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
+                                 "--no-compile", "--disable-pip-version-check", "--target", str(kit.site),
+                                 "--upgrade", *map(str, wheels)])
+        if code:
+            return False
+    if kit.rehearse:
+        kit.runner.say("triton: not staged in a rehearsal (the CPU needs none)")
+        return True
+    try:
+        kit.extra_env.update(stage_triton(KIT, kit.triton_site, kit.python))
+    except KitTritonError as exc:
+        kit.runner.record("stage", seconds=0.0, exit_code=2, error=str(exc), fix=exc.fix)
+        kit.runner.say(f"error: {exc}\n  fix: {exc.fix}")
+        return False
+    kit.runner.say(f"triton: {kit.triton_site} staged first on PYTHONPATH, ptxas {kit.extra_env['TRITON_PTXAS_PATH']}")
+    return True
+
+
+def compile_or_reuse(kit: Kit) -> int:
+    """Compile the kernels, or install the wheels an earlier run compiled (carried in .kit/built)."""
+    built = KIT / "built"
+    lock = kit.results / "build.lock.json"
+    if (built / "build.lock.json").is_file() and list(built.glob("*.whl")):
+        kit.runner.say(f"compile: reusing the wheels carried in {built} (no compilation)")
+        shutil.copyfile(built / "build.lock.json", lock)
+        return kit.run("compile", [kit.python, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
+                                   "--no-compile", "--disable-pip-version-check", "--target", str(kit.site),
+                                   "--upgrade", *map(str, sorted(built.glob("*.whl")))])
+    code = kit.run("compile", [kit.python, "-m", "build", "kernels", "build-here", IMAGE, "--arch", ARCH,
+                               "--cache", str(KIT / "cache"), "--out", str(kit.work / "kernels"), "--force",
+                               "--install", str(kit.site), "--lock", str(lock)],
+                   stdout_to=kit.results / "compile.json")
+    if code == 0:   # they come back with the results: copy DIR/built to .kit/built to skip this next time
+        out = kit.results / "built"
+        out.mkdir(exist_ok=True)
+        for wheel in (kit.work / "kernels" / "wheels").glob("*.whl"):
+            shutil.copyfile(wheel, out / wheel.name)
+        shutil.copyfile(lock, out / "build.lock.json")
+    return code
 
 
 REFUSAL = r'''
@@ -175,52 +193,74 @@ sys.exit(0 if ok else 1)
 '''
 
 
-def summary(kit: Kit, info: dict) -> str:
-    def load(name):
-        path = kit.results / name
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
+def load(kit: Kit, name: str):
+    try:
+        return json.loads((kit.results / name).read_text())
+    except (OSError, ValueError):
+        return None
 
-    lines = [f"GPU proof kit, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+
+def summary(kit: Kit, info: dict) -> str:
+    lines = [f"GPU proof kit, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {info.get('commit')}"
              f"{' (REHEARSAL: no GPU, nothing below proves a GPU path)' if kit.rehearse else ''}",
-             f"machine: {info.get('gpu')}; {info.get('cores')} cores; python {info.get('python', {}).get('python')}, "
-             f"torch {info.get('python', {}).get('torch')}, transformers {info.get('python', {}).get('transformers')}",
-             "", "phase      seconds  exit"]
-    for phase, p in kit.phases.items():
-        lines.append(f"{phase:<10}{p.get('seconds', 0):>8}  {p.get('skipped') or p.get('exit_code')}")
-    lines.append(f"{'total':<10}{round(time.monotonic() - kit.started, 1):>8}")
-    compile_ = load("compile.json")
-    if compile_:
+             f"machine: {info.get('gpu')}; {info.get('cores')} cores; {json.dumps(info.get('python'))}",
+             "", f"{'phase':<10}{'seconds':>9}  result"]
+    for phase, p in kit.runner.phases.items():
+        result = p.get("skipped") or ("TIMED OUT" if p.get("timed_out") else f"exit {p.get('exit_code')}")
+        lines.append(f"{phase:<10}{p.get('seconds', 0):>9}  {result}")
+    lines.append(f"{'total':<10}{round(time.monotonic() - kit.runner.started, 1):>9}")
+    compiled = load(kit, "compile.json")
+    if compiled:
         lines.append("")
-        for name, k in compile_.get("kernels", {}).items():
+        for name, k in compiled.get("kernels", {}).items():
             failed = [c for c in k.get("checks", []) if c.endswith("FAIL")]
-            verdict = f"FAILED: {failed}" if failed else "pass"
+            checks = f"FAILED: {failed}" if failed else "pass"
             lines.append(f"compiled {name}: {k['seconds']}s with {k['jobs']} jobs, {k['wheel']} "
-                         f"({k['wheel_bytes'] / 2 ** 20:.1f} MiB), checks {verdict}")
-    refusal = load("refusal.json")
+                         f"({k['wheel_bytes'] / 2 ** 20:.1f} MiB), checks {checks}")
+    refusal = load(kit, "refusal.json")
     if refusal:
         lines.append("")
         for name, r in refusal.items():
             if isinstance(r, dict):
                 lines.append(f"refusal  {name:<34} {'refused: ' + r.get('error', '')[:90] if r['refused'] else 'ran'}")
-    report = load("verify.json")
+    report = load(kit, "verify.json")
     if report:
         lines += ["", f"verify: worst {report['worst']} (exit {report['exit_code']})"]
         for r in report["results"]:
             lines.append(f"  {r['check']:<42} {r['status']:<5} {r['detail'][:160]}")
-    bench = load("bench.json")
+    ft = load(kit, "finetune.json")
+    if ft:
+        lines += ["", f"finetune: {'PASS' if ft.get('ok') else 'FAIL'}"]
+        for key in ("a_stopped", "a_resumed", "generate"):
+            if key in ft:
+                lines.append(f"  {key}: {json.dumps(ft[key], default=str)[:400]}")
+        losses = ft.get("losses", {})
+        lines.append(f"  fused vs fallback losses (padded, first steps): max relative difference "
+                     f"{losses.get('max_rel_diff')}, tolerance {losses.get('tolerance')}, agree {losses.get('agree')}")
+    bench = load(kit, "bench.json")
     if bench:
-        sys.path.insert(0, str(REPO))
         from bench.gpu_bench import render
+
         lines += ["", render(bench)]
     return "\n".join(lines) + "\n"
 
 
+def carried_size() -> tuple[int, list[str]]:
+    """What travels to the GPU host: the working tree as git sees it (tracked and untracked, not
+    ignored) plus the ignored .kit folder, which the call carries explicitly."""
+    proc = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard", "-z"],
+                          capture_output=True, text=True)
+    files = [REPO / f for f in proc.stdout.split("\0") if f]
+    files += [p for p in KIT.rglob("*") if p.is_file()] if KIT.is_dir() else []
+    sizes = sorted(((p.stat().st_size, str(p.relative_to(REPO))) for p in files if p.is_file()), reverse=True)
+    return sum(s for s, _ in sizes), [f"{n} ({s / 2 ** 20:.1f} MiB)" for s, n in sizes[:5]]
+
+
 def prepare() -> int:
-    """Fetch what must travel (run on a machine with network): the pinned sources of the image's
-    kernels into .kit/cache, and the pure-Python wheels the GPU host lacks into .kit/wheels."""
+    """Fetch what must travel (on a machine with network): the pinned kernel sources, the
+    pure-Python wheels the GPU host lacks, and the trimmed Triton."""
+    from bench.kit_triton import prepare as prepare_triton
+
     env = {**os.environ, "FTIMAGE_CACHE": str(KIT / "cache")}
     code = subprocess.run([sys.executable, "-m", "build", "kernels", "fetch", IMAGE, "--cache", str(KIT / "cache")],
                           cwd=REPO, env=env).returncode
@@ -232,8 +272,11 @@ def prepare() -> int:
                                "--dest", str(KIT / "wheels"), req]).returncode
         if code:
             return code
-    size = sum(f.stat().st_size for f in KIT.rglob("*") if f.is_file())
-    print(f".kit holds {size / 2 ** 20:.1f} MiB (limit {CARRY_LIMIT >> 20} MiB)")
+    if not (KIT / "triton" / "manifest.json").is_file():
+        prepare_triton(KIT)
+    size, largest = carried_size()
+    print(f"the working tree and .kit carry {size / 2 ** 20:.1f} MiB (limit {CARRY_LIMIT >> 20} MiB); largest: "
+          + ", ".join(largest))
     return 0 if size <= CARRY_LIMIT else 1
 
 
@@ -243,51 +286,57 @@ def main(argv: list[str] | None = None) -> int:
                    help="results folder (default: $FTIMAGE_PROOF_OUT, else $OUT, else out/gpu-proof)")
     p.add_argument("--rehearse", action="store_true", help="run every step that needs no GPU, on this machine")
     p.add_argument("--prepare", action="store_true", help="fetch the sources and wheels that must travel")
-    p.add_argument("--python", default=os.environ.get("PYTHON", "python3"),
-                   help="the interpreter whose torch the kernels are built for (default: python3)")
-    p.add_argument("--skip", action="append", default=[], choices=("compile", "refusal", "verify", "bench"),
-                   help="skip a phase (e.g. rerun only a late one in the same warm session)")
-    p.add_argument("--verify-checks", default="", help="only these verify checks (comma-separated)")
+    p.add_argument("--python", default=os.environ.get("PYTHON", sys.executable),
+                   help="the interpreter whose torch the kernels are built for (default: this one)")
+    p.add_argument("--deadline", type=float, default=DEADLINE, help="seconds for the whole kit (default 530)")
+    p.add_argument("--skip", action="append", default=[], choices=("compile", "refusal", "verify", "finetune", "bench"))
+    p.add_argument("--again", action="store_true", help="run phases that already passed in this results folder")
     args = p.parse_args(argv)
     if args.prepare:
         return prepare()
     results = args.results or Path(os.environ.get("FTIMAGE_PROOF_OUT") or os.environ.get("OUT") or "out/gpu-proof")
-    kit = Kit(results.resolve(), args.python, args.rehearse)
+    try:
+        runner = Runner(results.resolve(), deadline_s=args.deadline)
+    except ResultsNotWritable as exc:
+        print(f"error: {exc}\n  fix: {exc.fix}", file=sys.stderr)
+        return 2
+    kit = Kit(runner, args.python, args.rehearse)
     info = machine(kit)
-    lock = kit.results / "build.lock.json"
-    kept = kit.work / "build.lock.json"   # survives a rerun in the same session (results are emptied)
-    if "compile" in args.skip:
-        kit.skip("compile", "--skip compile")
-        if kept.is_file() and not lock.is_file():
-            shutil.copyfile(kept, lock)
-    else:
-        shutil.rmtree(kit.site, ignore_errors=True)
-        stage(kit)
-        kit.run("compile", [kit.python, "-m", "build", "kernels", "build-here", IMAGE, "--arch", ARCH,
-                            "--cache", str(KIT / "cache"), "--out", str(kit.work / "kernels"), "--force",
-                            "--install", str(kit.site), "--lock", str(lock)],
-                stdout_to=kit.results / "compile.json")
-        if lock.is_file():
-            shutil.copyfile(lock, kept)
-    if kit.rehearse or "refusal" in args.skip:
-        kit.skip("refusal", "no GPU (rehearsal)" if kit.rehearse else "--skip refusal")
-    else:
-        kit.run("refusal", [kit.python, "-c", REFUSAL, str(kit.results / "refusal.json")])
-    if "verify" in args.skip:
-        kit.skip("verify", "--skip verify")
-    else:
-        device = ["--device", "cpu"] if kit.rehearse else []
-        only = ["--checks", args.verify_checks] if args.verify_checks else []
-        kit.run("verify", [kit.python, "-m", "verify", "--lock", str(lock), "--json-file",
-                           str(kit.results / "verify.json"), *device, *only])
-    if "bench" in args.skip:
-        kit.skip("bench", "--skip bench")
-    else:
-        kit.run("bench", [kit.python, "bench/gpu_bench.py", "--json-out", str(kit.results / "bench.json"),
-                          *(["--dry-run"] if kit.rehearse else [])])
-    text = summary(kit, info)
-    (kit.results / "summary.txt").write_text(text)
-    print(text)
+    try:
+        def wanted(phase: str) -> bool:
+            if phase in args.skip:
+                runner.skip(phase, f"--skip {phase}")
+                return False
+            if runner.done(phase) and not args.again:
+                runner.say(f"=== {phase}: passed in an earlier run (kept; --again reruns it)")
+                return False
+            return True
+
+        staged = stage(kit)
+        if wanted("compile") and staged:
+            if kit.rehearse:   # a CPU torch cannot link a CUDA extension; image builds run the same recipe
+                runner.skip("compile", "no CUDA torch here (rehearsal)")
+            else:
+                compile_or_reuse(kit)
+        if wanted("refusal"):
+            if kit.rehearse:
+                runner.skip("refusal", "no GPU (rehearsal)")
+            else:
+                kit.run("refusal", [kit.python, "-c", REFUSAL, str(kit.results / "refusal.json")])
+        if wanted("verify"):
+            kit.run("verify", [kit.python, "-m", "verify", "--json-file", str(kit.results / "verify.json"),
+                               *(["--device", "cpu"] if kit.rehearse else [])])
+        if wanted("finetune"):
+            kit.run("finetune", [kit.python, "bench/kit_finetune.py", "--work", str(kit.work / "finetune"),
+                                 "--json-out", str(kit.results / "finetune.json"),
+                                 *(["--rehearse"] if kit.rehearse else [])])
+        if wanted("bench"):
+            kit.run("bench", [kit.python, "bench/gpu_bench.py", "--json-out", str(kit.results / "bench.json"),
+                              *(["--dry-run"] if kit.rehearse else [])])
+    finally:
+        text = summary(kit, info)
+        (kit.results / "summary.txt").write_text(text)
+        print(text)
     return 0
 
 
