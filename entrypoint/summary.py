@@ -9,6 +9,33 @@ from contracts.events import format_seconds
 from entrypoint.metrics import peak_memory_bytes
 
 
+class AnonPeak:
+    """The peak of this process's RssAnon, sampled every 50 ms by a daemon thread (Linux keeps a
+    peak only for the whole RSS, which includes shared file pages)."""
+
+    def __init__(self, interval: float = 0.05):
+        import threading
+
+        self.peak = self.now()
+        self._interval = interval
+        threading.Thread(target=self._run, daemon=True, name="anon-peak").start()
+
+    @staticmethod
+    def now() -> int:
+        try:
+            for line in open("/proc/self/status"):
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
+    def _run(self) -> None:
+        while True:
+            self.peak = max(self.peak, self.now())
+            time.sleep(self._interval)
+
+
 @dataclass
 class RunTotals:
     launched_at: float                 # time.time() when the launcher started preparing the run
@@ -21,13 +48,19 @@ class RunTotals:
     first_step_at: float | None = None
     best_eval_loss: float | None = None
     best_step: int | None = None
-    host_peaks: dict[str, float] = field(default_factory=dict)   # phase -> this rank's peak host RSS (GiB)
+    host_peaks: dict[str, dict] = field(default_factory=dict)   # phase -> this rank's peak host memory (GiB)
+    anon: AnonPeak | None = None
 
     def mark_host_peak(self, phase: str) -> None:
-        """The process's peak RSS so far (ru_maxrss), at the end of `phase` (load, steps, export)."""
+        """This rank's peaks so far, at the end of `phase` (load, steps, export): its private
+        (anonymous) memory, sampled, and its RSS (ru_maxrss), which also counts the shared,
+        file-backed pages of memory-mapped safetensors and corpora."""
         import resource
 
-        self.host_peaks[phase] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 3)
+        if self.anon is None:
+            self.anon = AnonPeak()
+        self.host_peaks[phase] = {"anon": round(self.anon.peak / 2 ** 30, 3),
+                                  "rss": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 3)}
 
     def first_step_done(self) -> None:
         if self.first_step_at is None:

@@ -102,6 +102,9 @@ class Trainer:
 
     @classmethod
     def build(cls, cfg: FinetuneConfig, plan: RunPlan, rank: int, world: int, device: torch.device) -> Trainer:
+        from entrypoint.summary import AnonPeak
+
+        anon = AnonPeak()   # from the start: the load's peak is the one that matters at size
         con = Console(rank)
         out = Path(cfg.output.dir)
         torch.manual_seed(cfg.train.seed)
@@ -137,7 +140,7 @@ class Trainer:
                             device=device, asynchronous=cfg.checkpoint.async_save, log=con.info,
                             grace_seconds=cfg.launch.stop_grace_seconds)
         totals = RunTotals(launched_at=plan.launched_at, world=world,
-                           peak_flops=device_peak_flops(cfg.output.peak_tflops))
+                           peak_flops=device_peak_flops(cfg.output.peak_tflops), anon=anon)
         evaluator = None
         if plan.eval_corpus:
             evaluator = Evaluator(read_corpus(Path(plan.eval_corpus)), packed=plan.packed, budget=cfg.packing.budget,
@@ -358,7 +361,7 @@ class Trainer:
         dist.all_gather_object(peaks, self.totals.host_peaks)   # every rank's, into run_report.json
         c = self.corpus
         return {"final_loss": self.last_loss, "final_step": self.step, "resumed_from": self.resumed_from,
-                "host_peak_rss_gib": {phase: [p.get(phase) for p in peaks] for phase in ("load", "steps", "export")},
+                "host_peak_gib": {phase: [p.get(phase) for p in peaks] for phase in ("load", "steps", "export")},
                 "interrupted": self.interrupted, "bad_rows": c.bad.to_dict(), "documents": len(c),
                 "rows_read": c.n_rows, "tokens": c.n_tokens, "data_fingerprint": c.fingerprint(),
                 "exported": str(exported) if exported else None, "world_size": self.world,
