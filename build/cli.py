@@ -30,6 +30,10 @@ commands:
   IMAGE_DIR --render DIR        write the build context to DIR (a new or empty folder)
   IMAGE_DIR --kernels-only      only compile/check the plan's kernels into the cache
   IMAGE_DIR --push REPOSITORY   build, then push to REGISTRY/REPO and record the digest
+  IMAGE_DIR --push REPOSITORY --sign KEY
+                                also push a cosign signature and a SLSA provenance attestation
+  verify-image REF --key PUB    check an image in a registry: signature, attestation, lock label
+                                (exit 3 if any is refused)
   IMAGE_DIR --deploy-example {k8s,slurm}
                                 render a deploy example for the pushed image, pinned by digest
   bootstrap-base BASE_DIR       debootstrap + docker import a base from images/_bases/<base>/base.yaml
@@ -48,7 +52,7 @@ environment:
   SOURCE_DATE_EPOCH             timestamp for labels, SBOM and context mtimes (default: HEAD's commit time)
   DOCKER_HOST                   the Docker engine to use
 
-exit codes: 0 ok, 1 build failed, 2 invalid spec or arguments
+exit codes: 0 ok, 1 build failed, 2 invalid spec or arguments, 3 refused (kernels import, verify-image)
 """
 
 
@@ -74,6 +78,8 @@ def _image_parser() -> argparse.ArgumentParser:
                       help="render a deploy example for the pushed image (after --push)")
     p.add_argument("--push", metavar="REPOSITORY", help="after the build, push to REGISTRY/REPO (e.g. "
                    "registry.example.com:5000/team/qwen27b) and record the digest")
+    p.add_argument("--sign", metavar="KEY", type=Path, help="with --push: sign the pushed digest and attest its "
+                   "provenance with this ECDSA P-256 private key (PEM; cosign's format)")
     p.add_argument("--json", action="store_true", help="with --plan or a build: print JSON instead of a table")
     p.add_argument("--out", type=Path, default=None, help="output folder for context, lock, SBOM and report "
                    "(default: out/<name>)")
@@ -92,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             return _bootstrap_base(argv[1:])
         if argv and argv[0] == "kernels":
             return _kernels(argv[1:])
+        if argv and argv[0] == "verify-image":
+            return _verify_image(argv[1:])
         return _image(argv)
     except InvalidInput as exc:
         print(exc.render(), file=sys.stderr)
@@ -133,6 +141,12 @@ def _image(argv: list[str]) -> int:
     push_target = push_target_from_args(args.push, {"--plan": args.plan, "--render": args.render is not None,
                                                     "--kernels-only": args.kernels_only,
                                                     "--deploy-example": bool(args.deploy_example)})
+    if args.sign and push_target is None:
+        raise SigningError("--sign signs what --push pushes, and there is no --push",
+                           "add --push REGISTRY/REPO, or drop --sign")
+    from build import signing
+
+    sign_key = signing.load_private_key(args.sign) if args.sign else None   # a bad key: exit 2, before any work
     from build.resolve import load_plan
     from build.spec import MANIFEST_PATH
 
@@ -176,9 +190,32 @@ def _image(argv: list[str]) -> int:
     report = build_image(plan, cache=cache, out_dir=out_dir, log=log, force=args.force)
     if push_target is not None:
         from build.push import push_image
-        push_image(report, push_target, out_dir=out_dir, log=log)
+        push_image(report, push_target, out_dir=out_dir, log=log, sign_key=sign_key)
     print(report.to_json() if args.json else report.render(), end="\n")
     return EXIT_OK
+
+
+def _verify_image(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m build verify-image",
+                                description="Check a pushed image's signature, provenance attestation and lock "
+                                            "label against a public key. Exit 0 verified, 3 refused.")
+    p.add_argument("reference", metavar="REF", help="REGISTRY/REPO@sha256:... (or REGISTRY/REPO:TAG, resolved now)")
+    p.add_argument("--key", type=Path, required=True, help="the signer's P-256 public key (PEM)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    from build import signing
+    from build.verify_image import render, verify_image
+
+    rows = verify_image(args.reference, signing.load_public_key(args.key))
+    ok = all(r.passed for r in rows) and len(rows) == 4
+    if args.json:
+        print(json.dumps({"reference": args.reference, "verified": ok,
+                          "rows": [{"check": r.check, "status": "PASS" if r.passed else "FAIL", "detail": r.detail}
+                                   for r in rows]}, indent=2))
+    else:
+        print(render(rows))
+        print(f"RESULT: {'VERIFIED' if ok else 'REFUSED'}")
+    return EXIT_OK if ok else EXIT_REFUSED
 
 
 def _kernels_only(plan, cache: CacheLayout, log: EventLog, *, as_json: bool) -> int:

@@ -60,9 +60,12 @@ class PushRecord:
     tag: str             # REGISTRY/REPO:<image tag>, the name the image was pushed under
     digest: str          # sha256:<64 hex>, the manifest digest the registry stores
     reference: str       # REGISTRY/REPO@sha256:..., what a deployment pins
+    signature: str = ""  # with --sign: REGISTRY/REPO:sha256-<hex>.sig (cosign's layout)
+    attestation: str = ""  # with --sign: REGISTRY/REPO:sha256-<hex>.att (SLSA provenance, DSSE)
+    signed_by: str = ""  # with --sign: sha256 of the signing key's public half
 
     def to_dict(self) -> dict[str, str]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if v}   # an unsigned push records no signature fields
 
 
 # ---- the reference ------------------------------------------------------------------------
@@ -239,9 +242,10 @@ def engine_errors(what: str) -> Iterator[None]:
 
 
 def push_image(report: BuildReport, target: PushTarget, *, out_dir: Path, log: EventLog,
-               client: RegistryClient | None = None) -> PushRecord:
+               client: RegistryClient | None = None, sign_key=None) -> PushRecord:
     """Push the image `report` describes to `target`, record the digest in out_dir's build report
-    (written atomically) and in `report.pushed`; return the record."""
+    (written atomically) and in `report.pushed`; return the record. With `sign_key`, also push a
+    cosign signature and a provenance attestation for that digest (build/attest.py)."""
     client = client or DockerRegistryClient.connect()
     tag = report.tag.rpartition(":")[2]
     remote = f"{target.repository}:{tag}"
@@ -262,10 +266,50 @@ def push_image(report: BuildReport, target: PushTarget, *, out_dir: Path, log: E
                            f"check the registry's log, then push again: --push {target.repository}")
     record = PushRecord(repository=target.repository, tag=remote, digest=digest,
                         reference=f"{target.repository}@{digest}")
+    if sign_key is not None:
+        record = _sign(record, report, target, sign_key, log)
     report.pushed = record.to_dict()
     atomic.write_text(Path(out_dir) / REPORT_NAME, report.to_json())
     log.emit("push", f"pushed {record.reference}")
     return record
+
+
+def _sign(record: PushRecord, report: BuildReport, target: PushTarget, key, log: EventLog) -> PushRecord:
+    from dataclasses import replace
+
+    from build import signing
+    from build.attest import Provenance, sign_and_attest
+    from build.context.render import source_date_epoch
+    from build.registry import Registry
+
+    provenance = Provenance(image=report.image, plan_key=report.plan_key, lock_sha256=report.lock_sha256,
+                            source_date_epoch=source_date_epoch(), commit=_commit(), tool_version=_tool_version())
+    log.emit("push", f"signing {record.reference} with key {signing.key_id(key)[:23]}...")
+    made = sign_and_attest(Registry(target.registry), target.path, target.repository, record.digest, key, provenance)
+    log.emit("push", f"signature {made['signature']}, attestation {made['attestation']}")
+    return replace(record, signature=made["signature"], attestation=made["attestation"], signed_by=made["key"])
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", out.stdout.strip()) \
+        else "unknown"
+
+
+def _tool_version() -> str:
+    import tomllib
+
+    try:
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        return str(tomllib.loads(pyproject.read_text())["project"]["version"])
+    except (OSError, KeyError, ValueError):
+        return "unknown"
 
 
 def follow_push(stream: Iterable[dict[str, Any]], log: EventLog, remote: str) -> tuple[str, str]:

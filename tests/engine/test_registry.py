@@ -6,72 +6,19 @@ from __future__ import annotations
 import ipaddress
 import json
 import socket
-import subprocess
-import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import docker
 import pytest
 import yaml
 
 from tests.conftest import run_build_cli
+from tests.fixtures.keys import write_p256_pair
+from tests.fixtures.registry import Registry
 
 pytestmark = pytest.mark.engine
 
-REGISTRY_BIN = Path("/usr/bin/docker-registry")
 LOCK_LABEL = "io.ftimage.lock.sha256"
 GATE = "/opt/ftimage/bin/ftimage-gate"
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-class Registry:
-    """docker-registry as a child process with its own config and storage (no systemd)."""
-
-    def __init__(self, root: Path, host: str = "127.0.0.1"):
-        if not REGISTRY_BIN.exists():
-            pytest.fail(f"{REGISTRY_BIN} is missing: `apt-get install -y docker-registry` (./dev setup does it)")
-        self.address = f"{host}:{free_port(host)}"
-        root.mkdir(parents=True, exist_ok=True)
-        config = root / "config.yml"
-        config.write_text(yaml.safe_dump({
-            "version": 0.1, "log": {"level": "warn"},
-            "storage": {"filesystem": {"rootdirectory": str(root / "storage")}, "delete": {"enabled": True}},
-            "http": {"addr": self.address}}))
-        self.log = open(root / "registry.log", "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([str(REGISTRY_BIN), "serve", str(config)], stdout=self.log,
-                                     stderr=subprocess.STDOUT)
-        self._wait_until_up(root)
-
-    def _wait_until_up(self, root: Path) -> None:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"docker-registry exited: {(root / 'registry.log').read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"http://{self.address}/v2/", timeout=2) as answer:
-                    if answer.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.2)
-        self.stop()
-        pytest.fail(f"docker-registry did not answer on {self.address} within 30 s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +35,14 @@ def docker_api():
 
 @pytest.fixture(scope="module")
 def pushed(smoke_build, registry, docker_api, tmp_path_factory):
-    """`python -m build images/smoke --push 127.0.0.1:PORT/ftimage/smoke`, as a user runs it."""
+    """`python -m build images/smoke --push 127.0.0.1:PORT/ftimage/smoke --sign KEY`, as a user runs it."""
     out = tmp_path_factory.mktemp("pushed-out")
+    private, public = write_p256_pair(tmp_path_factory.mktemp("keys"))
     repository = f"{registry.address}/ftimage/smoke"
-    proc = run_build_cli("images/smoke", "--out", str(out), "--push", repository)
+    proc = run_build_cli("images/smoke", "--out", str(out), "--push", repository, "--sign", str(private))
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((out / "build-report.json").read_text())
-    yield {"proc": proc, "report": report, "out": out, "repository": repository}
+    yield {"proc": proc, "report": report, "out": out, "repository": repository, "public_key": public}
     for ref in (report["pushed"].get("reference", ""), f"{repository}:{report['tag'].rpartition(':')[2]}"):
         try:
             docker_api.remove_image(ref)
@@ -110,6 +58,21 @@ def test_push_prints_and_records_the_digest(pushed, smoke_build):
     assert record["tag"] == f"{pushed['repository']}:{smoke_build['tag'].rpartition(':')[2]}"
     assert f"pushed {record['reference']}" in pushed["proc"].stdout
     assert "[     push]" in pushed["proc"].stderr   # progress came from the push stream
+
+
+def test_the_signed_push_verifies_and_its_attestation_names_the_lock(pushed, smoke_build):
+    record = pushed["report"]["pushed"]
+    assert record["signature"] == f"{pushed['repository']}:sha256-{record['digest'][7:]}.sig"
+    assert record["attestation"] == f"{pushed['repository']}:sha256-{record['digest'][7:]}.att"
+    assert record["signed_by"].startswith("sha256:")
+    proc = run_build_cli("verify-image", record["reference"], "--key", str(pushed["public_key"]), "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["check"]: r for r in json.loads(proc.stdout)["rows"]}
+    assert [r["status"] for r in rows.values()] == ["PASS"] * 4, rows
+    assert smoke_build["report"]["lock_sha256"][:16] in rows["lock"]["detail"]
+    # the tag the build pushed resolves to the same, signed digest
+    by_tag = run_build_cli("verify-image", record["tag"], "--key", str(pushed["public_key"]))
+    assert by_tag.returncode == 0 and record["digest"] in by_tag.stdout, by_tag.stdout + by_tag.stderr
 
 
 def test_pull_by_digest_gives_back_the_same_lock(pushed, docker_api, smoke_build):
