@@ -13,6 +13,7 @@ from build import outdir
 from build.bootstrap import ensure_base
 from build.cache import CacheLayout
 from build.context.render import render_context
+from build.debs import base_packages
 from build.diskspace import make_room
 from build.engine import Engine, connect
 from build.resolve import BuildPlan
@@ -91,6 +92,7 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
                  for stage, ref in (("builder", plan.spec.builder_base), ("runtime", plan.spec.runtime_base))}
         for stage, base in bases.items():
             report.cache[f"base:{stage}"] = "hit" if base.reused else "miss (bootstrapped)"
+        debs = base_packages(engine, bases["runtime"].ref)   # for the SBOM
     with timer("wheelhouse"):
         resolution = fill_wheelhouse(plan, cache, log)
         report.cache["wheelhouse"] = f"{'hit' if resolution.cache_hit else 'miss'} ({len(resolution.wheels)} wheels)"
@@ -103,7 +105,7 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
         context = render_context(plan, out_dir / "context", wheels=resolution.wheels, cache=cache,
                                  kernel_wheels=provided.wheels,
                                  base_refs={s: b.ref for s, b in bases.items()},
-                                 base_ids={s: b.id for s, b in bases.items()})
+                                 base_ids={s: b.id for s, b in bases.items()}, base_packages=debs)
         report.lock_sha256 = context.lock.sha256()
         report.context_sha256 = context.digest
         for name in ("build.lock.json", "sbom.cdx.json"):

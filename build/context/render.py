@@ -22,6 +22,7 @@ from build import outdir
 from build.cache import CacheLayout, link_or_copy, sha256_file
 from build.context.lockfile import make_lock
 from build.context.sbom import render_sbom
+from build.debs import DebPackage
 from build.kernels.wheel import KernelWheel
 from build.resolve import BuildPlan
 from build.spec import REPO_ROOT
@@ -117,7 +118,7 @@ def image_labels(plan: BuildPlan, base_refs: dict[str, str], epoch: int) -> dict
 def render_context(plan: BuildPlan, directory: Path, *, wheels: tuple[Wheel, ...], cache: CacheLayout,
                    kernel_wheels: tuple[KernelWheel, ...] = (), base_refs: dict[str, str] | None = None,
                    base_ids: dict[str, str] | None = None, epoch: int | None = None,
-                   force: bool = False) -> RenderedContext:
+                   base_packages: tuple[DebPackage, ...] = (), force: bool = False) -> RenderedContext:
     """Write the context into `directory` (see build/outdir.py for what may be replaced there).
     Wheels are hard-linked from the cache."""
     epoch = source_date_epoch() if epoch is None else epoch
@@ -125,7 +126,8 @@ def render_context(plan: BuildPlan, directory: Path, *, wheels: tuple[Wheel, ...
                               "runtime": plan.spec.runtime_base.describe()}
     staging = outdir.staging_beside(directory)
     try:
-        lock, labels, inputs = _write(plan, staging, wheels, cache, kernel_wheels, base_refs, base_ids or {}, epoch)
+        lock, labels, inputs = _write(plan, staging, wheels, cache, kernel_wheels, base_refs, base_ids or {}, epoch,
+                                      base_packages)
         context_digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
         outdir.publish_render(staging, directory, force=force)
     finally:
@@ -134,7 +136,7 @@ def render_context(plan: BuildPlan, directory: Path, *, wheels: tuple[Wheel, ...
     return RenderedContext(directory=directory, lock=lock, labels=labels, digest=context_digest, files=len(inputs))
 
 
-def _write(plan, directory, wheels, cache, kernel_wheels, base_refs, base_ids, epoch):
+def _write(plan, directory, wheels, cache, kernel_wheels, base_refs, base_ids, epoch, base_packages):
     (directory / "wheelhouse").mkdir(parents=True)
     lock = make_lock(plan, wheels, kernel_wheels, base_ids)
     inputs: list[dict[str, str]] = []
@@ -152,7 +154,7 @@ def _write(plan, directory, wheels, cache, kernel_wheels, base_refs, base_ids, e
     texts = {
         "wheelhouse/requirements.lock.txt": requirements_lock(tuple(all_wheels)),
         "build.lock.json": lock.to_json(),
-        "sbom.cdx.json": render_sbom(lock, epoch),
+        "sbom.cdx.json": render_sbom(lock, epoch, base_packages),
         "plan.json": plan.to_json(),
         "labels.json": json.dumps(labels, sort_keys=True, indent=2) + "\n",
         "Dockerfile": render_dockerfile(plan, base_refs, epoch),

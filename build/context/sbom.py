@@ -12,10 +12,13 @@ from cyclonedx.model.dependency import Dependency
 from cyclonedx.output.json import JsonV1Dot5
 from packageurl import PackageURL
 
+from build.debs import DebPackage
 from contracts.lock import BuildLock
 
 
-def render_sbom(lock: BuildLock, source_date_epoch: int) -> str:
+def render_sbom(lock: BuildLock, source_date_epoch: int, base_packages: tuple[DebPackage, ...] = ()) -> str:
+    """`base_packages`: the Debian packages of the runtime base (build/debs.py), read from its dpkg
+    database; the base itself is named by the image ID the lock records."""
     # Deterministic serial number and timestamp: equal locks give byte-identical SBOMs.
     bom = Bom(serial_number=uuid.uuid5(uuid.NAMESPACE_URL, f"ftimage:{lock.plan_key}"))
     bom.metadata.timestamp = datetime.datetime.fromtimestamp(source_date_epoch, datetime.UTC)
@@ -45,6 +48,13 @@ def render_sbom(lock: BuildLock, source_date_epoch: int) -> str:
         ref = BomRef(f"ftimage-base:{stage}")
         bom.components.add(Component(name=f"base-{stage}", version=image_id, type=ComponentType.CONTAINER,
                                      bom_ref=ref))
+        refs.append(ref)
+    for deb in base_packages:
+        ref = BomRef(deb.purl)
+        bom.components.add(Component(
+            name=deb.name, version=deb.version, type=ComponentType.LIBRARY, bom_ref=ref,
+            purl=PackageURL("deb", "debian", deb.name, deb.version, qualifiers={"arch": deb.arch}),
+            properties=[Property(name="ftimage:source", value="runtime base /var/lib/dpkg/status")]))
         refs.append(ref)
     bom.dependencies.add(Dependency(ref=root.bom_ref, dependencies=[Dependency(ref=r) for r in refs]))
     return JsonV1Dot5(bom).output_as_string(indent=2) + "\n"

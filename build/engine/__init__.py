@@ -53,6 +53,10 @@ class Engine(Protocol):
     def remove_containers(self, label: str) -> int:
         """Remove every container carrying `label` (key=value); returns how many."""
 
+    def read_file(self, image: str, path: str, *, limit: int) -> bytes | None:
+        """One regular file from an image, read without running it; None when it is not there or
+        is larger than `limit`."""
+
     def images_with_label(self, label: str) -> list[dict[str, Any]]:
         """Images carrying `label` (key or key=value), newest first."""
 

@@ -198,6 +198,37 @@ class DockerEngine:
             pass
         return removed
 
+    def read_file(self, image: str, path: str, *, limit: int) -> bytes | None:
+        import io
+        import tarfile
+
+        # a created container is never started: nothing in the image runs
+        container = self._call("create", lambda: self.client.containers.create(image, ["/nonexistent"],
+                                                                               network_mode="none"))
+        try:
+            try:
+                stream, stat = container.get_archive(path)
+            except docker.errors.NotFound:
+                return None
+            if not stat or int(stat.get("size", 0)) > limit:
+                return None
+            data = b""
+            for chunk in stream:
+                data += chunk
+                if len(data) > limit + (1 << 20):   # the tar framing adds headers, never megabytes
+                    return None
+            with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+                member = next((m for m in tar.getmembers() if m.isfile()), None)
+                handle = tar.extractfile(member) if member is not None else None
+                return handle.read() if handle is not None else None
+        except (docker.errors.APIError, tarfile.TarError) as exc:
+            raise self._failure("read", exc) from None
+        finally:
+            try:
+                container.remove(force=True)
+            except docker.errors.APIError:
+                pass
+
     # -- helpers --------------------------------------------------------------------
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:

@@ -51,6 +51,12 @@ def test_labels_lock_and_sbom(engine, smoke_build, smoke_image):
     assert sbom_inside == sbom_beside
     names = {c["name"] for c in sbom_inside["components"]}
     assert {p["name"] for p in lock["packages"]} <= names
+    # every Debian package of the image (the runtime base's, which the image adds none to) is listed
+    listed = engine.run(smoke_image, ["dpkg-query", "-W", "-f", "${db:Status-Status} ${Package} ${Version}\n"],
+                        timeout=60).output.split("\n")
+    installed = {tuple(line.split()[1:]) for line in listed if line.startswith("installed ")}
+    debs = {(c["name"], c["version"]) for c in sbom_inside["components"] if c.get("purl", "").startswith("pkg:deb/")}
+    assert len(installed) > 50 and debs == installed, sorted(installed ^ debs)[:20]
     assert (smoke_build["out"] / "build.lock.json").read_text() == lock_text
 
 

@@ -19,6 +19,7 @@ class FakeEngine:
     on_run: Callable[..., RunResult] | None = None
     removed_containers: int = 0
     free_bytes: int | None = None     # None: the engine's disk is not on this host (not checked)
+    files: dict[tuple[str, str], bytes] = field(default_factory=dict)   # (image, path) -> what read_file gives
 
     def image(self, ref: str) -> dict[str, Any] | None:
         self.calls.append(("image", ref))
@@ -66,6 +67,11 @@ class FakeEngine:
     def remove_containers(self, label: str) -> int:
         self.calls.append(("remove_containers", label))
         return 0
+
+    def read_file(self, image: str, path: str, *, limit: int) -> bytes | None:
+        self.calls.append(("read_file", (image, path)))
+        data = self.files.get((image, path))
+        return data if data is not None and len(data) <= limit else None
 
     def images_with_label(self, label: str) -> list[dict[str, Any]]:
         key, _, value = label.partition("=")
