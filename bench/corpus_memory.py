@@ -68,14 +68,15 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", type=int, default=10)
     ap.add_argument("--ranks", type=int, default=2)
     args = ap.parse_args(argv)
-    from entrypoint.model import load_tokenizer
+    from transformers import AutoTokenizer
+
     from tests.fixtures.chat import write_tokenizer
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-corpus-memory-") as tmp:
         root = Path(tmp)
         write_tokenizer(root / "tok", ["the a model token data train loss step batch pack learn rate"] * 50)
-        tokenizer = load_tokenizer(str(root / "tok"))
+        tokenizer = AutoTokenizer.from_pretrained(str(root / "tok"))   # a tokenizer folder, no model
         ctx = mp.get_context("spawn")
         for docs in (args.docs, args.docs * args.scale):
             manifest = build(root, docs, tokenizer)

@@ -26,17 +26,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=50000)
     ap.add_argument("--num-proc", type=int, default=2)
     args = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+
     from contracts.finetune_config import build_config
     from entrypoint.corpus_build import load_corpus
     from entrypoint.data import read_rows, tokenize_rows
-    from entrypoint.model import load_tokenizer
     from tests.fixtures.chat import synthetic_conversations, write_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="bench-tokenize-") as tmp:
         root = Path(tmp)
         rows = synthetic_conversations(args.rows, seed=0, max_turns=4)
         write_tokenizer(root / "tok", [m["content"] for r in rows[:2000] for m in r["messages"]])
-        tokenizer = load_tokenizer(str(root / "tok"))
+        tokenizer = AutoTokenizer.from_pretrained(str(root / "tok"))   # a tokenizer folder, no model
         data = root / "rows.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
         size = data.stat().st_size

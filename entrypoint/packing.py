@@ -99,23 +99,55 @@ def _check(lengths: np.ndarray, budget: int) -> None:
         )
 
 
+class Bins:
+    """An epoch's bins as two flat arrays (document ids, and where each bin starts), so a rank
+    holds about 12 bytes per document for the epoch's plan instead of a Python list per bin and
+    an int object per id (which made a rank's private memory grow with the corpus)."""
+
+    def __init__(self, ids: np.ndarray, starts: np.ndarray):
+        self.ids, self.starts = ids, starts     # starts has one more entry than there are bins
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, index: int) -> list[int]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        index %= len(self)
+        return self.ids[self.starts[index]:self.starts[index + 1]].tolist()
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other) if isinstance(other, (Bins, list, tuple)) else NotImplemented
+
+
 def pack_windows(lengths: np.ndarray, order: np.ndarray, scheme: str, budget: int, window: int,
-                 rng: np.random.Generator | None = None) -> list[list[int]]:
+                 rng: np.random.Generator | None = None) -> Bins:
     """Pack documents `order` (already shuffled) window by window; returns bins of document ids.
 
     BFD emits bins roughly longest-first; with an rng the bins of each window are shuffled
     so training does not see a length-sorted curriculum inside every window.
     """
     packer = PACKERS[scheme]
-    out: list[list[int]] = []
+    id_dtype = np.int32 if len(lengths) < 2 ** 31 else np.int64
+    ids_parts: list[np.ndarray] = []
+    size_parts: list[np.ndarray] = []
     for start in range(0, len(order), window):
-        ids = order[start:start + window]
-        bins = [ids[b].tolist() for b in map(np.asarray, packer(lengths[ids], budget))]
+        ids = np.asarray(order[start:start + window])
+        bins = packer(lengths[ids], budget)
         if rng is not None and scheme == "bfd":
             perm = rng.permutation(len(bins))
             bins = [bins[i] for i in perm]
-        out.extend(bins)
-    return out
+        size_parts.append(np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins)))
+        local = np.fromiter((i for b in bins for i in b), dtype=np.int64, count=int(size_parts[-1].sum()))
+        ids_parts.append(ids[local].astype(id_dtype))
+    sizes = np.concatenate(size_parts) if size_parts else np.zeros(0, dtype=np.int64)
+    starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    flat = np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=id_dtype)
+    return Bins(flat, starts)
 
 
 def lower_bound(lengths: np.ndarray, budget: int) -> int:

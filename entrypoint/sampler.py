@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from entrypoint.packing import pack_windows
+from entrypoint.packing import Bins, pack_windows
 
 
 class SamplerStateError(Exception):
@@ -35,10 +35,10 @@ class PackedSampler:
     position: int = 0    # micro-batches consumed globally (all ranks) so far
 
     def __post_init__(self):
-        self._epoch_cache: dict[int, list[list[int]]] = {}
+        self._epoch_cache: dict[int, Bins] = {}
         self._epoch_starts = [0]   # stream index where each computed epoch starts
 
-    def epoch_bins(self, epoch: int) -> list[list[int]]:
+    def epoch_bins(self, epoch: int) -> Bins:
         if epoch not in self._epoch_cache:
             rng = np.random.default_rng([self.seed, epoch])
             order = rng.permutation(len(self.lengths))
