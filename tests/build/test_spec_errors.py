@@ -2,10 +2,16 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
+import yaml
 
 pytestmark = pytest.mark.unit
+
+# a requirement the tests append lands after the shipped qwen27b spec's own ones
+QWEN27B = Path(__file__).resolve().parents[2] / "images" / "qwen27b" / "image.yaml"
+APPENDED = len(yaml.safe_load(QWEN27B.read_text())["python"]["requirements"])
 
 
 def _image_edit(fn):
@@ -69,10 +75,10 @@ BROKEN = {
     "root runtime user": (_image_edit(lambda d: d["runtime"].update(uid=0)), "runtime.uid", "root"),
     "unpinned python requirement": (
         _image_edit(lambda d: d["python"]["requirements"].append("accelerate>=1.0")),
-        "python.requirements[6]", "not pinned to one exact version"),
+        f"python.requirements[{APPENDED}]", "not pinned to one exact version"),
     "torch in python requirements": (
         _image_edit(lambda d: d["python"]["requirements"].append("torch==2.14.1")),
-        "python.requirements[6]", "torch is set by the toolchain"),
+        f"python.requirements[{APPENDED}]", "torch is set by the toolchain"),
     "GPU archs on a CPU toolchain": (
         _image_edit(lambda d: d.update(toolchain="cpu-torch2.13.0-py311", kernels=[],
                                        runtime={"user": "trainer", "uid": 10001})),
@@ -133,7 +139,7 @@ def test_all_problems_are_reported_together(ws, run_cli):
     code, _, err = run_cli(ws.plan("qwen27b"))
     assert code == 2
     assert "3 problem(s)" in err
-    for field in ("target_archs[0]", "runtime.uid", "python.requirements[6]"):
+    for field in ("target_archs[0]", "runtime.uid", f"python.requirements[{APPENDED}]"):
         assert f": {field}: " in err
 
 
