@@ -141,6 +141,17 @@ def _cfg(**launch) -> FinetuneConfig:
     return cfg
 
 
+def test_more_ranks_than_visible_gpus_is_refused_with_the_fix(monkeypatch):
+    from entrypoint import launch
+
+    monkeypatch.setattr(launch, "device_count", lambda: 1)
+    with pytest.raises(LaunchError) as info:
+        resolve_topology(_cfg(nproc_per_node=2), {})
+    assert "launch.nproc_per_node=2 but only 1 GPUs are visible" in str(info.value)
+    assert "expose more GPUs" in info.value.fix
+    assert resolve_topology(_cfg(nproc_per_node=1), {}).nproc_per_node == 1
+
+
 def test_topology_single_node_static_on_loopback():
     topo = resolve_topology(_cfg(nproc_per_node=2), {})
     args = topo.torchrun_args()
