@@ -101,7 +101,10 @@ def _load_export_worker(rank: int, world: int, init: str, model_dir: str, out_di
     export(model, model.config, load_tokenizer(model_dir), Path(model_dir), Path(out_dir), dtype=torch.bfloat16,
            rank=rank, barrier=dist.barrier)
     queue.put({"rank": rank, "base": base, "load": loaded, "export": peak()})
-    dist.destroy_process_group()
+    queue.close()
+    queue.join_thread()
+    dist.barrier()
+    os._exit(0)   # as the trainer does: a joinable gloo thread can abort a finished process at exit
 
 
 def memory(args) -> int:
