@@ -15,11 +15,15 @@ from build import proc
 from build.cache import CacheLayout
 from build.engine import Engine
 from build.errors import BuildFailure
+from build.image_archive import file_sha256, image_config, write_archive
 from build.resolve import digest
+from build.rootfs import base_epoch, normalise, write_tarball
 from build.spec import BaseRef, BootstrapBase
 from contracts.events import EventLog, Progress
 
 SPEC_LABEL = "io.ftimage.base.spec-sha256"
+ROOTFS_LABEL = "io.ftimage.base.rootfs"   # the layer's diffID: the same root filesystem on every machine
+BASE_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 @dataclass(frozen=True)
@@ -62,46 +66,52 @@ def bootstrap(base: BootstrapBase, engine: Engine, cache: CacheLayout, log: Even
         raise BuildFailure("debootstrap needs root to build a base filesystem",
                            f"run `sudo python -m build bootstrap-base {base.path}` once; later builds reuse it")
     with cache.scratch_dir("base") as tmp:
-        rootfs = Path(tmp) / "rootfs"
-        progress = Progress(log, "bootstrap", base.name, expected_seconds=90.0, min_interval=5.0)
-        progress.update(None, f"debootstrap {base.suite} ({base.variant}) with {', '.join(base.packages)}",
-                        force=True)
-        cmd = ["debootstrap", f"--variant={base.variant}", f"--include={','.join(sorted(base.packages))}",
-               base.suite, str(rootfs), base.mirror]
-        child = proc.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        output = []
-        for line in child.stdout:
-            output.append(line)
-            if line.startswith(("I: Retrieving", "I: Validating", "I: Unpacking", "I: Configuring", "I: Base")):
-                progress.update(None, line[3:].strip()[:100])
-        if child.wait() != 0:
-            tail = "\n".join("".join(output).splitlines()[-15:])
-            raise BuildFailure(f"debootstrap failed for base {base.name}:\n{tail}",
-                               f"check that {base.mirror} is reachable and the package names exist in {base.suite}")
-        _trim_rootfs(rootfs)
-        tarball = Path(tmp) / "rootfs.tar"
-        proc.run(["tar", "--sort=name", "--numeric-owner", "-C", str(rootfs), "-cf", str(tarball), "."],
-                 check=True)
-        progress.finish("root filesystem ready")
-        log.emit("bootstrap", "importing the root filesystem", size_mb=tarball.stat().st_size // 2 ** 20)
-        image_id = engine.import_rootfs(tarball, tag, changes=[
-            f"LABEL {SPEC_LABEL}={spec_sha}",
-            f"LABEL io.ftimage.base.name={base.name}",
-            "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8",
-            'CMD ["/bin/bash"]',
-        ])
+        tarball, epoch = rootfs_tarball(base, Path(tmp), log)
+        diff_id = file_sha256(tarball)
+        log.emit("bootstrap", "loading the root filesystem", size_mb=tarball.stat().st_size // 2 ** 20,
+                 diff_id=diff_id[:19])
+        config = image_config(diff_id, epoch=epoch, env=[BASE_PATH, "LANG=C.UTF-8"], cmd=["/bin/bash"],
+                              labels={SPEC_LABEL: spec_sha, "io.ftimage.base.name": base.name,
+                                      ROOTFS_LABEL: diff_id},
+                              created_by=f"ftimage bootstrap-base {base.name}")
+        archive = write_archive(tarball, Path(tmp) / "base.tar", ref=tag, config=config, diff_id=diff_id)
+        tarball.unlink()
+        image_id = engine.load_archive(archive.path, tag)
+        if image_id != archive.id:
+            raise BuildFailure(f"the engine gave the loaded base the ID {image_id[:19]}, not its config's "
+                               f"{archive.id[:19]}", "check the dockerd log: the engine must keep the config as given")
     log.emit("bootstrap", f"base ready: {tag}", id=image_id[:19])
     return BaseImage(ref=tag, id=image_id, reused=False)
 
 
-def _trim_rootfs(rootfs: Path) -> None:
-    """Drop what a container never needs: apt caches, man pages, logs (copyright files stay)."""
-    for rel in ("var/cache/apt/archives", "var/lib/apt/lists", "usr/share/man",
-                "usr/share/info", "var/log"):
-        target = rootfs / rel
-        if target.is_dir():
-            for child in target.iterdir():
-                if child.is_dir() and not child.is_symlink():
-                    shutil.rmtree(child, ignore_errors=True)
-                elif child.name != "lock":
-                    child.unlink(missing_ok=True)
+def rootfs_tarball(base: BootstrapBase, work: Path, log: EventLog) -> tuple[Path, int]:
+    """debootstrap into `work`, make the tree deterministic (build/rootfs.py) and tar it; returns
+    (the tarball, the base's epoch)."""
+    rootfs = work / "rootfs"
+    progress = Progress(log, "bootstrap", base.name, expected_seconds=90.0, min_interval=5.0)
+    progress.update(None, f"debootstrap {base.suite} ({base.variant}) with {', '.join(base.packages)}", force=True)
+    cmd = ["debootstrap", f"--variant={base.variant}", f"--include={','.join(sorted(base.packages))}",
+           base.suite, str(rootfs), base.mirror]
+    # debootstrap creates folders itself (the root among them) with the caller's umask; under
+    # umask 077 the image's / would be 0700. dpkg sets package modes explicitly.
+    inherited = os.umask(0o022)
+    try:
+        child = proc.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    finally:
+        os.umask(inherited)
+    output = []
+    for line in child.stdout:
+        output.append(line)
+        if line.startswith(("I: Retrieving", "I: Validating", "I: Unpacking", "I: Configuring", "I: Base")):
+            progress.update(None, line[3:].strip()[:100])
+    if child.wait() != 0:
+        tail = "\n".join("".join(output).splitlines()[-15:])
+        raise BuildFailure(f"debootstrap failed for base {base.name}:\n{tail}",
+                           f"check that {base.mirror} is reachable and the package names exist in {base.suite}")
+    epoch = base_epoch(rootfs)
+    normalise(rootfs, epoch)
+    tarball = work / "rootfs.tar"
+    write_tarball(rootfs, tarball, epoch)
+    shutil.rmtree(rootfs)
+    progress.finish("root filesystem ready")
+    return tarball, epoch

@@ -37,6 +37,9 @@ class Engine(Protocol):
 
     def import_rootfs(self, tarball: Path, ref: str, changes: list[str]) -> str: ...
 
+    def load_archive(self, archive: Path, ref: str) -> str:
+        """`docker load` a docker-archive (build/image_archive.py); returns the image ID of `ref`."""
+
     def history(self, ref: str) -> list[dict[str, Any]]: ...
 
     def build(self, context: Path, tag: str, labels: dict[str, str], log: EventLog, *,

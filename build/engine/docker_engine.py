@@ -77,6 +77,20 @@ class DockerEngine:
             raise BuildFailure(f"docker import reported {result!r} but {ref} is missing", "check the dockerd log")
         return image["Id"]
 
+    def load_archive(self, archive: Path, ref: str) -> str:
+        def load():
+            with archive.open("rb") as fh:
+                for item in self.client.api.load_image(fh):
+                    if isinstance(item, dict) and item.get("error"):
+                        raise BuildFailure(f"docker load of {archive.name} failed: {item['error']}",
+                                           "check the dockerd log")
+
+        self._call("load", load)
+        image = self.image(ref)
+        if image is None:
+            raise BuildFailure(f"docker load finished but {ref} is missing", "check the dockerd log")
+        return image["Id"]
+
     def history(self, ref: str) -> list[dict[str, Any]]:
         return self._call("history", lambda: self.client.api.history(ref))
 

@@ -47,6 +47,19 @@ class FakeEngine:
                             "Config": {"Labels": labels}, "RepoTags": [ref]}
         return self.images[ref]["Id"]
 
+    def load_archive(self, archive: Path, ref: str) -> str:
+        import json
+        import tarfile
+
+        self.calls.append(("load", ref))
+        with tarfile.open(archive) as tar:
+            manifest = json.load(tar.extractfile("manifest.json"))[0]
+            config = json.load(tar.extractfile(manifest["Config"]))
+        image_id = "sha256:" + manifest["Config"].removesuffix(".json")
+        self.images[ref] = {"Id": image_id, "Size": 1, "Config": {"Labels": config["config"]["Labels"]},
+                            "RepoTags": [ref]}
+        return image_id
+
     def history(self, ref: str) -> list[dict[str, Any]]:
         return []
 
