@@ -8,25 +8,20 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from entrypoint.checkpoint import list_checkpoints
-from tests.fixtures.chat import REPO, entrypoint_env, run_entrypoint
+from tests.fixtures.chat import (
+    REPO,
+    entrypoint_env,
+    finetune_metrics,
+    run_entrypoint,
+    run_finetune,
+)
 
 pytestmark = pytest.mark.training
-
-
-def _metrics(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _run(fixture_dir, out: Path, *overrides: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return run_entrypoint(["finetune", "--config", str(fixture_dir.config), "--allow-fallback", f"output.dir={out}",
-                           "checkpoint.export=false", *overrides], timeout=timeout)
 
 
 def test_sigterm_checkpoints_reports_interrupted_and_resumes(fixture_dir, tmp_path):
@@ -38,7 +33,7 @@ def test_sigterm_checkpoints_reports_interrupted_and_resumes(fixture_dir, tmp_pa
                              "checkpoint.export=false", "output.tensorboard=true"],
                             cwd=REPO, env=entrypoint_env(), stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
-    while not any(m["step"] >= 3 for m in _metrics(out)):
+    while not any(m["step"] >= 3 for m in finetune_metrics(out)):
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
@@ -55,7 +50,7 @@ def test_sigterm_checkpoints_reports_interrupted_and_resumes(fixture_dir, tmp_pa
     assert any("elapsed" in line and "ETA" in line for line in text.splitlines() if line.startswith("[finetune] step"))
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
 
-    r = _run(fixture_dir, out, f"train.max_steps={stopped_at + 2}", "checkpoint.every=0",
+    r = run_finetune(fixture_dir, out, f"train.max_steps={stopped_at + 2}", "checkpoint.every=0",
              "checkpoint.allow_changed=[train.max_steps]")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / f'step-{stopped_at:08d}'} at step {stopped_at}" in r.stdout
@@ -66,13 +61,13 @@ def test_sigterm_checkpoints_reports_interrupted_and_resumes(fixture_dir, tmp_pa
 def test_damaged_newest_checkpoint_is_skipped_on_resume(fixture_dir, tmp_path):
     out = tmp_path / "out"
     common = ("launch.nproc_per_node=1", "checkpoint.every=2", "checkpoint.keep=2")
-    r = _run(fixture_dir, out, "train.max_steps=4", *common)
+    r = run_finetune(fixture_dir, out, "train.max_steps=4", *common)
     assert r.returncode == 0, r.stderr[-3000:]
     newest = out / "checkpoints" / "step-00000004"
     shard = next(newest.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])   # a torn write the rename did not catch
 
-    r = _run(fixture_dir, out, "train.max_steps=6", "checkpoint.allow_changed=[train.max_steps]", *common)
+    r = run_finetune(fixture_dir, out, "train.max_steps=6", "checkpoint.allow_changed=[train.max_steps]", *common)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "WARNING: skipping checkpoint step-00000004: step-00000004 is damaged" in r.stdout
     assert f"resumed from {out / 'checkpoints' / 'step-00000002'} at step 2" in r.stdout
@@ -114,7 +109,7 @@ def small_volume(tmp_path):
 
 
 def test_full_disk_is_one_error_and_leaves_no_partial_checkpoint(fixture_dir, small_volume):
-    r = _run(fixture_dir, small_volume, "train.max_steps=4", "checkpoint.every=2")
+    r = run_finetune(fixture_dir, small_volume, "train.max_steps=4", "checkpoint.every=2")
     log = r.stdout + r.stderr
     assert r.returncode == 1, log[-3000:]
     assert log.count("ERROR: no space left on the device while writing") == 1, log[-3000:]

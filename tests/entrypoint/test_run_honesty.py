@@ -6,27 +6,22 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from entrypoint.checkpoint import list_checkpoints
-from tests.fixtures.chat import REPO, entrypoint_env, run_entrypoint
+from tests.fixtures.chat import (
+    entrypoint_env,
+    finetune_metrics,
+    run_entrypoint,
+    run_finetune,
+    start_finetune_in_session,
+)
 from tests.fixtures.trackers import mlflow_losses, tensorboard_losses, wandb_losses
 
 pytestmark = pytest.mark.training
-
-
-def _metrics(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _finetune(fixture_dir, out: Path, *overrides: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return run_entrypoint(["finetune", "--config", str(fixture_dir.config), "--allow-fallback", f"output.dir={out}",
-                           "checkpoint.export=false", *overrides], timeout=timeout)
 
 
 def _tree(out: Path) -> dict[str, tuple[float, int]]:
@@ -34,19 +29,20 @@ def _tree(out: Path) -> dict[str, tuple[float, int]]:
             if p.is_file()}
 
 
+def _wait_for_step(proc, out: Path, step: int, log: Path) -> None:
+    deadline = time.monotonic() + 180
+    while not any(m["step"] >= step for m in finetune_metrics(out)):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.02)
+
+
 def test_ctrl_c_checkpoints_exits_130_quietly_and_the_rerun_resumes(fixture_dir, tmp_path):
     out = tmp_path / "out"
     log = (tmp_path / "run.log").open("w")
     # a terminal's Ctrl-C: SIGINT to the launcher's whole process group
-    proc = subprocess.Popen([sys.executable, "-m", "entrypoint", "finetune", "--config", str(fixture_dir.config),
-                             "--allow-fallback", f"output.dir={out}", "train.max_steps=400", "checkpoint.every=20",
-                             "checkpoint.export=false", "output.log_every=1"],
-                            cwd=REPO, env=entrypoint_env(), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.monotonic() + 180
-    while not any(m["step"] >= 12 for m in _metrics(out)):
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
-        time.sleep(0.02)
+    proc = start_finetune_in_session(fixture_dir, out, log, "train.max_steps=400", "checkpoint.every=20",
+                                     "output.log_every=1")
+    _wait_for_step(proc, out, 12, tmp_path / "run.log")
     lines_before = len((tmp_path / "run.log").read_text().splitlines())
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(timeout=120) == 130, (tmp_path / "run.log").read_text()[-3000:]
@@ -60,11 +56,11 @@ def test_ctrl_c_checkpoints_exits_130_quietly_and_the_rerun_resumes(fixture_dir,
     assert len(after) <= 3 and "Traceback" not in text and "KeyboardInterrupt" not in text, after
     assert f"stopped by SIGINT after a checkpoint at step {stopped}" in text
 
-    r = _finetune(fixture_dir, out, "checkpoint.every=20", f"train.max_steps={stopped + 1}",
+    r = run_finetune(fixture_dir, out, "checkpoint.every=20", f"train.max_steps={stopped + 1}",
                   "checkpoint.allow_changed=[train.max_steps]")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / f'step-{stopped:08d}'} at step {stopped}" in r.stdout
-    steps = [m["step"] for m in _metrics(out)]
+    steps = [m["step"] for m in finetune_metrics(out)]
     assert len(steps) == len(set(steps))   # unique after the restart
 
 
@@ -72,26 +68,26 @@ def test_resume_refuses_a_changed_key_applies_an_allowed_one_and_a_finished_run_
                                                                                                tmp_path):
     out = tmp_path / "out"
     common = ("train.max_steps=4", "checkpoint.every=2", "output.log_every=1")
-    r = _finetune(fixture_dir, out, *common)
+    r = run_finetune(fixture_dir, out, *common)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1].startswith("[finetune] done: step 4")
 
     before = _tree(out)
-    r = _finetune(fixture_dir, out, *common)
+    r = run_finetune(fixture_dir, out, *common)
     assert r.returncode == 0 and "already complete" in r.stderr, r.stderr[-2000:]
     assert _tree(out) == before   # nothing written: no verify, no tokenizing, no report, no export
 
-    r = _finetune(fixture_dir, out, *common, "train.lr=1e-3")
+    r = run_finetune(fixture_dir, out, *common, "train.lr=1e-3")
     assert r.returncode == 2 and "train.lr: 0.003 -> 0.001" in r.stderr and "Traceback" not in r.stderr
     assert "fresh output.dir" in r.stderr and "checkpoint.allow_changed=[train.lr]" in r.stderr
     assert _tree(out) == before
 
-    r = _finetune(fixture_dir, out, "train.max_steps=6", "checkpoint.every=2", "output.log_every=1",
+    r = run_finetune(fixture_dir, out, "train.max_steps=6", "checkpoint.every=2", "output.log_every=1",
                   "train.lr=1e-3", "checkpoint.allow_changed=[train.lr, train.max_steps]")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "checkpoint.allow_changed: train.lr: 0.003 -> 0.001" in r.stdout
     assert "schedule was rebuilt from step 4" in r.stdout
-    lrs = {m["step"]: m["lr"] for m in _metrics(out)}
+    lrs = {m["step"]: m["lr"] for m in finetune_metrics(out)}
     import torch
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
@@ -132,7 +128,7 @@ def test_one_json_stream_trackers_epochs_and_the_summary(fixture_dir, tmp_path):
 
     # train.epochs=1 ended the run at the end of the first epoch, well before max_steps
     report = json.loads((out / "run_report.json").read_text())
-    metrics = _metrics(out)
+    metrics = finetune_metrics(out)
     assert report["final_step"] == report["total_steps"] == metrics[-1]["step"] < 1000
     assert {m["epoch"] for m in metrics} == {0}
     assert report["summary"]["tokens_trained"] > 0 and report["summary"]["steps_this_run"] == report["final_step"]
@@ -147,17 +143,11 @@ def test_one_json_stream_trackers_epochs_and_the_summary(fixture_dir, tmp_path):
 def test_a_second_ctrl_c_stops_at_once_and_says_nothing_more_was_saved(fixture_dir, tmp_path):
     out = tmp_path / "out"
     log = (tmp_path / "run.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "entrypoint", "finetune", "--config", str(fixture_dir.config),
-                             "--allow-fallback", f"output.dir={out}", "train.max_steps=400", "checkpoint.every=0",
-                             "checkpoint.export=false", "output.log_every=1"],
-                            cwd=REPO, env=entrypoint_env(), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.monotonic() + 180
-    while not any(m["step"] >= 2 for m in _metrics(out)):
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
-        time.sleep(0.02)
+    proc = start_finetune_in_session(fixture_dir, out, log, "train.max_steps=400", "checkpoint.every=0",
+                                     "output.log_every=1")
+    _wait_for_step(proc, out, 2, tmp_path / "run.log")
     os.killpg(proc.pid, signal.SIGINT)
-    text = ""
+    text, deadline = "", time.monotonic() + 180
     while "Ctrl-C again" not in text:
         assert proc.poll() is None and time.monotonic() < deadline, text[-3000:]
         time.sleep(0.01)
