@@ -1,5 +1,5 @@
 """Two real bootstraps of the runtime base, under different umasks and time zones, give the same
-root filesystem tarball, and it is the one the session's smoke build loaded (its diffID label)."""
+root filesystem tarball, and it is the one this test run's smoke build loaded (its diffID label)."""
 from __future__ import annotations
 
 import os
