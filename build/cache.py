@@ -48,6 +48,10 @@ class CacheLayout:
         return self.root / "kernels"
 
     @property
+    def layers(self) -> Path:
+        return self.root / "layers"
+
+    @property
     def scratch(self) -> Path:
         return self.root / "scratch"
 

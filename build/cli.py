@@ -32,6 +32,8 @@ commands:
   IMAGE_DIR --push REPOSITORY   build, then push to REGISTRY/REPO and record the digest
   IMAGE_DIR --push REPOSITORY --sign KEY
                                 also push a cosign signature and a SLSA provenance attestation
+  verify-reproducible IMAGE_DIR build twice from two fresh clones (fresh caches, another umask, time
+                                zone and host name) and compare image ID, diffIDs and manifest digest
   verify-image REF --key PUB    check an image in a registry: signature, attestation, lock label
                                 (exit 3 if any is refused)
   IMAGE_DIR --deploy-example {k8s,slurm}
@@ -81,6 +83,9 @@ def _image_parser() -> argparse.ArgumentParser:
     p.add_argument("--sign", metavar="KEY", type=Path, help="with --push: sign the pushed digest and attest its "
                    "provenance with this ECDSA P-256 private key (PEM; cosign's format)")
     p.add_argument("--json", action="store_true", help="with --plan or a build: print JSON instead of a table")
+    p.add_argument("--builder", choices=("oci", "dockerfile"), default="oci",
+                   help="oci (default): assemble the image in Python, reproducibly; dockerfile: the engine's "
+                        "classic builder, for an engine on another host")
     p.add_argument("--out", type=Path, default=None, help="output folder for context, lock, SBOM and report "
                    "(default: out/<name>)")
     _common(p)
@@ -100,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             return _kernels(argv[1:])
         if argv and argv[0] == "verify-image":
             return _verify_image(argv[1:])
+        if argv and argv[0] == "verify-reproducible":
+            from build.reproducible import main as verify_reproducible
+
+            return verify_reproducible(argv[1:])
         return _image(argv)
     except InvalidInput as exc:
         print(exc.render(), file=sys.stderr)
@@ -187,7 +196,7 @@ def _image(argv: list[str]) -> int:
         return _kernels_only(plan, cache, log, as_json=args.json)
     from build.pipeline import build_image
 
-    report = build_image(plan, cache=cache, out_dir=out_dir, log=log, force=args.force)
+    report = build_image(plan, cache=cache, out_dir=out_dir, log=log, force=args.force, builder=args.builder)
     if push_target is not None:
         from build.push import push_image
         push_image(report, push_target, out_dir=out_dir, log=log, sign_key=sign_key)

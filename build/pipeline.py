@@ -12,10 +12,12 @@ from build import kernels as kernel_stage
 from build import outdir
 from build.bootstrap import ensure_base
 from build.cache import CacheLayout
-from build.context.render import render_context
+from build.context.render import render_context, source_date_epoch
 from build.debs import base_packages
 from build.diskspace import make_room
 from build.engine import Engine, connect
+from build.oci.runtime_image import assemble_runtime_image, lock_epoch
+from build.oci.venv import LockedWheel
 from build.resolve import BuildPlan
 from build.wheelhouse import fill_wheelhouse
 from contracts import atomic
@@ -42,6 +44,11 @@ class BuildReport:
     steps: list[tuple[str, float]] = field(default_factory=list)
     pruned: list[str] = field(default_factory=list)
     pushed: dict[str, str] = field(default_factory=dict)    # filled by `--push`: repository, digest, reference
+    builder: str = "oci"            # "oci": assembled by build/oci; "dockerfile": the classic builder
+    manifest_digest: str = ""       # oci: the OCI manifest's sha256, which a push preserves
+    diff_ids: list[str] = field(default_factory=list)
+    layout: str = ""                # oci: the OCI image layout in the output folder
+    layers_sent: int = 0            # oci: layers the engine was sent (the rest it already held)
     total_seconds: float = 0.0
 
     def to_json(self) -> str:
@@ -79,12 +86,15 @@ class PhaseTimer:
             self.log.emit(phase, f"{phase} done in {elapsed:.1f}s", elapsed=elapsed)
 
 
+BUILDERS = ("oci", "dockerfile")
+
+
 def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: EventLog,
-                engine: Engine | None = None, force: bool = False) -> BuildReport:
+                engine: Engine | None = None, force: bool = False, builder: str = "oci") -> BuildReport:
     started = time.monotonic()
     outdir.claim(out_dir, outdir.OUTPUT_MARKER, what="output folder", option="--out", force=force)
     timer = PhaseTimer(log)
-    report = BuildReport(image=plan.spec.name, tag=plan.tag, plan_key=plan.plan_key)
+    report = BuildReport(image=plan.spec.name, tag=plan.tag, plan_key=plan.plan_key, builder=builder)
     with timer("engine"):
         engine = engine or connect()
     with timer("bases"):
@@ -102,14 +112,55 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
         for name, state in provided.states.items():
             report.cache[f"kernel:{name}"] = state
     with timer("render"):
+        locked_wheels = [LockedWheel(w.filename, w.sha256, cache.wheel_path(w.sha256, w.filename))
+                         for w in resolution.wheels]
+        locked_wheels += [LockedWheel(k.filename, k.sha256, k.path) for k in provided.wheels]
+        app_epoch = source_date_epoch()
+        sbom_epoch = lock_epoch(locked_wheels, engine.image(bases["runtime"].ref) or {}) \
+            if builder == "oci" else app_epoch
         context = render_context(plan, out_dir / "context", wheels=resolution.wheels, cache=cache,
                                  kernel_wheels=provided.wheels,
                                  base_refs={s: b.ref for s, b in bases.items()},
-                                 base_ids={s: b.id for s, b in bases.items()}, base_packages=debs)
+                                 base_ids={s: b.id for s, b in bases.items()}, base_packages=debs,
+                                 epoch=app_epoch, sbom_epoch=sbom_epoch)
         report.lock_sha256 = context.lock.sha256()
         report.context_sha256 = context.digest
         for name in ("build.lock.json", "sbom.cdx.json"):
             atomic.write_bytes(out_dir / name, (context.directory / name).read_bytes())
+    labels = {**context.labels, CONTEXT_LABEL: context.digest, LOCK_LABEL: report.lock_sha256,
+              BASE_ID_LABEL: bases["runtime"].id, IMAGE_LABEL: plan.spec.name}
+    if builder == "oci":
+        with timer("image"):
+            report.pruned += make_room(engine, image=plan.tag, wheel_bytes=wheelhouse_bytes(context.directory),
+                                       free_layer_cache=lambda: prune_builder_stages(engine, plan, keep=0), log=log)
+            assembly = assemble_runtime_image(plan, context, wheels=locked_wheels, runtime_base=bases["runtime"].ref,
+                                              engine=engine, cache=cache, out_dir=out_dir, app_epoch=app_epoch,
+                                              labels=labels, log=log)
+            image = assembly.image
+            report.image_id = image.image_id
+            report.size_bytes = int((engine.image(image.image_id) or {}).get("Size", 0))
+            report.manifest_digest, report.diff_ids = image.manifest_digest, image.diff_ids
+            report.layout, report.layers_sent = str(assembly.layout), assembly.layers_sent
+            report.cache.update({f"layer {name}": state for name, state in assembly.states.items()})
+            report.cache["image"] = "hit" if assembly.layers_sent == 0 and \
+                all(state == "hit" for state in assembly.states.values()) else "miss"
+    else:
+        _classic_build(plan, engine, context, labels, report, log, timer)
+    with timer("check"):
+        kernel_stage.check_image(plan, engine=engine, image=plan.tag, log=log)
+    with timer("prune"):
+        report.pruned += prune_superseded(engine, plan, report.image_id, log)
+    report.phase_seconds = {k: round(v, 2) for k, v in timer.seconds.items()}
+    report.total_seconds = round(time.monotonic() - started, 2)
+    atomic.write_text(out_dir / "build-report.json", report.to_json())
+    return report
+
+
+def _classic_build(plan: BuildPlan, engine: Engine, context, labels: dict[str, str], report: BuildReport,
+                   log: EventLog, timer: PhaseTimer) -> None:
+    """The documented fallback (`--builder dockerfile`): the rendered Dockerfile through the
+    engine's classic builder, for an engine on another host, which the assembler cannot hand a
+    staged folder to. Its image ID and history differ from build to build."""
     with timer("image"):
         existing = engine.image(plan.tag)
         labels = (existing or {}).get("Config", {}).get("Labels") or {}
@@ -123,19 +174,9 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
             report.pruned += prune_superseded(engine, plan, (existing or {}).get("Id", ""), log)
             report.pruned += make_room(engine, image=plan.tag, wheel_bytes=wheelhouse_bytes(context.directory),
                                        free_layer_cache=lambda: prune_builder_stages(engine, plan, keep=0), log=log)
-            built = engine.build(context.directory, plan.tag, log=log, labels={
-                **context.labels, CONTEXT_LABEL: context.digest, LOCK_LABEL: report.lock_sha256,
-                BASE_ID_LABEL: bases["runtime"].id, IMAGE_LABEL: plan.spec.name})
+            built = engine.build(context.directory, plan.tag, log=log, labels=labels)
             report.image_id, report.size_bytes = built.id, built.size_bytes
             report.steps = [(step[:80], round(secs, 2)) for step, secs in built.step_seconds]
-    with timer("check"):
-        kernel_stage.check_image(plan, engine=engine, image=plan.tag, log=log)
-    with timer("prune"):
-        report.pruned += prune_superseded(engine, plan, report.image_id, log)
-    report.phase_seconds = {k: round(v, 2) for k, v in timer.seconds.items()}
-    report.total_seconds = round(time.monotonic() - started, 2)
-    atomic.write_text(out_dir / "build-report.json", report.to_json())
-    return report
 
 
 def prune_superseded(engine: Engine, plan: BuildPlan, keep_id: str, log: EventLog) -> list[str]:

@@ -1,5 +1,7 @@
-"""`--push REGISTRY/REPO`: tag the built image `REGISTRY/REPO:<its tag>`, push it through the
-Docker SDK, and record the registry's digest in build-report.json, so deploy examples pin the
+"""`--push REGISTRY/REPO`: push the built image as `REGISTRY/REPO:<its tag>` and record the
+registry's digest in build-report.json. An assembled image (the default builder) goes from its
+OCI layout through the registry API, so the digest is the build's own; an image from the
+classic builder goes through the engine (`docker push`). Either way deploy examples pin the
 image by content (`REGISTRY/REPO@sha256:...`) instead of by a tag anyone can move.
 
 The reference is checked before any build work (exit 2). It names a registry and a repository
@@ -246,6 +248,11 @@ def push_image(report: BuildReport, target: PushTarget, *, out_dir: Path, log: E
     """Push the image `report` describes to `target`, record the digest in out_dir's build report
     (written atomically) and in `report.pushed`; return the record. With `sign_key`, also push a
     cosign signature and a provenance attestation for that digest (build/attest.py)."""
+    if client is None and report.layout:
+        from build.oci.registry_push import LayoutRegistryClient
+        from build.registry import Registry
+
+        client = LayoutRegistryClient(Path(report.layout), Registry(target.registry), target.path)
     client = client or DockerRegistryClient.connect()
     tag = report.tag.rpartition(":")[2]
     remote = f"{target.repository}:{tag}"

@@ -1,8 +1,9 @@
 """A small client for the OCI distribution API: read manifests and blobs, write the artifacts a
 signed push adds (a signature and a provenance attestation) beside an image.
 
-Images themselves go through the Docker engine (build/push.py); this client only moves the
-small JSON documents the engine has no API for. It speaks what dockerd speaks: HTTPS, except
+It pushes assembled images blob by blob from their OCI layout, so the registry stores the
+manifest this tool wrote and the pushed digest is the build's own (build/oci/registry_push.py),
+and it moves the small JSON documents a signed push adds. It speaks what dockerd speaks: HTTPS, except
 plain HTTP for 127.0.0.0/8 and localhost; anonymous, Basic, or Bearer-token auth with the
 credentials `docker login` stored (read through the docker SDK's own config loader).
 """
@@ -92,8 +93,9 @@ class Registry:
         headers = dict(kw.pop("headers", {}))
         if authorize and self._token:
             headers["Authorization"] = self._token
+        timeout = kw.pop("timeout", TIMEOUT)
         try:
-            answer = self.session.request(method, url, headers=headers, timeout=TIMEOUT, **kw)
+            answer = self.session.request(method, url, headers=headers, timeout=timeout, **kw)
         except requests.exceptions.RequestException as exc:
             raise RegistryError(f"cannot reach {self.registry}: {str(exc).split('(Caused by')[0][:200]}",
                                 f"check that the registry at {self.registry} is up and reachable") from None
@@ -153,9 +155,33 @@ class Registry:
                                headers={"Content-Type": "application/octet-stream"}), "store a blob")
         return digest
 
+    def has_blob(self, path: str, digest: str) -> bool:
+        return self._send("HEAD", f"{self.base}/{path}/blobs/{digest}").status_code == 200
+
+    def put_blob_file(self, path: str, file, digest: str, size: int) -> bool:
+        """Upload a blob from a file, streamed (a venv layer is gigabytes); False when the registry
+        had it already. The registry checks the digest against what it received."""
+        if self.has_blob(path, digest):
+            return False
+        start = self._check(self._send("POST", f"{self.base}/{path}/blobs/uploads/"), "start an upload")
+        location = start.headers.get("Location", "")
+        if not location:
+            raise RegistryError(f"{self.registry} started an upload without a Location", "use an OCI registry")
+        if location.startswith("/"):
+            location = self.base.rsplit("/v2", 1)[0] + location
+        with open(file, "rb") as fh:
+            self._check(self._send("PUT", location, params={"digest": digest}, data=fh, timeout=(TIMEOUT, 3600),
+                                   headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)}),
+                        f"store the blob {digest[:19]}")
+        return True
+
     def put_manifest(self, path: str, tag: str, manifest: bytes, media_type: str = OCI_MANIFEST) -> str:
-        self._check(self._send("PUT", f"{self.base}/{path}/manifests/{tag}", data=manifest,
-                               headers={"Content-Type": media_type}), f"store the manifest {tag}")
+        answer = self._check(self._send("PUT", f"{self.base}/{path}/manifests/{tag}", data=manifest,
+                                        headers={"Content-Type": media_type}), f"store the manifest {tag}")
+        stored = answer.headers.get("Docker-Content-Digest", "")
+        if stored and stored != sha256_digest(manifest):
+            raise RegistryError(f"{self.registry} stored the manifest as {stored}, not {sha256_digest(manifest)}",
+                                "use a registry that keeps manifests byte for byte (OCI distribution)")
         return sha256_digest(manifest)
 
 

@@ -118,7 +118,8 @@ def image_labels(plan: BuildPlan, base_refs: dict[str, str], epoch: int) -> dict
 def render_context(plan: BuildPlan, directory: Path, *, wheels: tuple[Wheel, ...], cache: CacheLayout,
                    kernel_wheels: tuple[KernelWheel, ...] = (), base_refs: dict[str, str] | None = None,
                    base_ids: dict[str, str] | None = None, epoch: int | None = None,
-                   base_packages: tuple[DebPackage, ...] = (), force: bool = False) -> RenderedContext:
+                   base_packages: tuple[DebPackage, ...] = (), force: bool = False,
+                   sbom_epoch: int | None = None) -> RenderedContext:
     """Write the context into `directory` (see build/outdir.py for what may be replaced there).
     Wheels are hard-linked from the cache."""
     epoch = source_date_epoch() if epoch is None else epoch
@@ -127,7 +128,7 @@ def render_context(plan: BuildPlan, directory: Path, *, wheels: tuple[Wheel, ...
     staging = outdir.staging_beside(directory)
     try:
         lock, labels, inputs = _write(plan, staging, wheels, cache, kernel_wheels, base_refs, base_ids or {}, epoch,
-                                      base_packages)
+                                      base_packages, epoch if sbom_epoch is None else sbom_epoch)
         context_digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
         outdir.publish_render(staging, directory, force=force)
     finally:
@@ -136,7 +137,7 @@ def render_context(plan: BuildPlan, directory: Path, *, wheels: tuple[Wheel, ...
     return RenderedContext(directory=directory, lock=lock, labels=labels, digest=context_digest, files=len(inputs))
 
 
-def _write(plan, directory, wheels, cache, kernel_wheels, base_refs, base_ids, epoch, base_packages):
+def _write(plan, directory, wheels, cache, kernel_wheels, base_refs, base_ids, epoch, base_packages, sbom_epoch):
     (directory / "wheelhouse").mkdir(parents=True)
     lock = make_lock(plan, wheels, kernel_wheels, base_ids)
     inputs: list[dict[str, str]] = []
@@ -154,7 +155,7 @@ def _write(plan, directory, wheels, cache, kernel_wheels, base_refs, base_ids, e
     texts = {
         "wheelhouse/requirements.lock.txt": requirements_lock(tuple(all_wheels)),
         "build.lock.json": lock.to_json(),
-        "sbom.cdx.json": render_sbom(lock, epoch, base_packages),
+        "sbom.cdx.json": render_sbom(lock, sbom_epoch, base_packages),
         "plan.json": plan.to_json(),
         "labels.json": json.dumps(labels, sort_keys=True, indent=2) + "\n",
         "Dockerfile": render_dockerfile(plan, base_refs, epoch),

@@ -4,7 +4,7 @@ real implementation (docker_engine.py); tests drive the pipeline with a fake
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,6 +39,12 @@ class Engine(Protocol):
 
     def load_archive(self, archive: Path, ref: str) -> str:
         """`docker load` a docker-archive (build/image_archive.py); returns the image ID of `ref`."""
+
+    def load_stream(self, chunks: Iterable[bytes], ref: str) -> str:
+        """`docker load` an archive given as byte chunks; returns the image ID of `ref`."""
+
+    def save(self, ref: str, dest: Path) -> None:
+        """`docker save` one image into the file `dest`."""
 
     def history(self, ref: str) -> list[dict[str, Any]]: ...
 

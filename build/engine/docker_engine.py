@@ -91,6 +91,29 @@ class DockerEngine:
             raise BuildFailure(f"docker load finished but {ref} is missing", "check the dockerd log")
         return image["Id"]
 
+    def load_stream(self, chunks, ref: str) -> str:
+        """`docker load` an archive given as an iterable of byte chunks (sent chunked, never
+        written to disk here); returns the image ID of `ref`."""
+        def load():
+            for item in self.client.api.load_image(chunks):
+                if isinstance(item, dict) and item.get("error"):
+                    raise BuildFailure(f"docker load of {ref} failed: {item['error']}", "check the dockerd log")
+
+        self._call("load", load)
+        image = self.image(ref)
+        if image is None:
+            raise BuildFailure(f"docker load finished but {ref} is missing", "check the dockerd log")
+        return image["Id"]
+
+    def save(self, ref: str, dest: Path) -> None:
+        """`docker save` one image into the file `dest` (a docker-archive), streamed."""
+        def save():
+            with dest.open("wb") as fh:
+                for chunk in self.client.api.get_image(ref, chunk_size=1 << 20):
+                    fh.write(chunk)
+
+        self._call("save", save)
+
     def history(self, ref: str) -> list[dict[str, Any]]:
         return self._call("history", lambda: self.client.api.history(ref))
 

@@ -63,9 +63,9 @@ def smoke(tmp_path, monkeypatch):
 def test_second_build_of_the_same_context_is_an_image_cache_hit(smoke):
     plan, cache, out = smoke
     engine = engine_with_bases(plan)
-    first = pipeline.build_image(plan, cache=cache, out_dir=out, log=QUIET, engine=engine)
+    first = pipeline.build_image(plan, builder="dockerfile", cache=cache, out_dir=out, log=QUIET, engine=engine)
     assert first.cache["image"] == "miss" and engine.count("build") == 1
-    second = pipeline.build_image(plan, cache=cache, out_dir=out, log=QUIET, engine=engine)
+    second = pipeline.build_image(plan, builder="dockerfile", cache=cache, out_dir=out, log=QUIET, engine=engine)
     assert second.cache["image"] == "hit" and engine.count("build") == 1
     assert second.image_id == first.image_id and second.cache["base:runtime"] == "hit"
     labels = engine.images[plan.tag]["Config"]["Labels"]
@@ -76,11 +76,11 @@ def test_second_build_of_the_same_context_is_an_image_cache_hit(smoke):
 def test_a_changed_context_rebuilds_and_prunes_the_superseded_image(smoke, monkeypatch):
     plan, cache, out = smoke
     engine = engine_with_bases(plan)
-    pipeline.build_image(plan, cache=cache, out_dir=out, log=QUIET, engine=engine)
+    pipeline.build_image(plan, builder="dockerfile", cache=cache, out_dir=out, log=QUIET, engine=engine)
     old_id = engine.images[plan.tag]["Id"]
     engine.images["smoke:000000000000"] = {**engine.images[plan.tag], "RepoTags": ["smoke:000000000000"]}
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1800000000")   # new labels -> a new context
-    report = pipeline.build_image(plan, cache=cache, out_dir=out, log=QUIET, engine=engine)
+    report = pipeline.build_image(plan, builder="dockerfile", cache=cache, out_dir=out, log=QUIET, engine=engine)
     assert report.cache["image"] == "miss" and engine.count("build") == 2
     assert engine.images[plan.tag]["Id"] != old_id
     assert "smoke:000000000000" in report.pruned and "smoke:000000000000" not in engine.images
@@ -100,7 +100,7 @@ def test_prune_removes_untagged_rebuilds_and_older_builder_stages(smoke):
     engine.images["other-image-stage"] = {"Id": "sha256:" + "4" * 64, "RepoTags": ["<none>:<none>"], "Created": 0,
                                           "Config": {"Labels": {pipeline.IMAGE_LABEL: "other",
                                                                 pipeline.STAGE_LABEL: "builder"}}}
-    report = pipeline.build_image(plan, cache=cache, out_dir=out, log=QUIET, engine=engine)
+    report = pipeline.build_image(plan, builder="dockerfile", cache=cache, out_dir=out, log=QUIET, engine=engine)
     assert "old-untagged" not in engine.images and "stage-2" not in engine.images
     assert "stage-3" in engine.images              # the newest builder stage: the next build's cache
     assert "other-image-stage" in engine.images    # another image's: not ours to prune
@@ -119,7 +119,7 @@ def test_a_disk_too_small_for_the_image_fails_before_building(smoke):
     _builder_stage(engine, plan, 3)
     engine.free_bytes = 10     # the stand-in wheelhouse is 17 bytes: the image alone needs ~34
     with pytest.raises(BuildFailure) as failure:
-        pipeline.build_image(plan, cache=cache, out_dir=out, log=QUIET, engine=engine)
+        pipeline.build_image(plan, builder="dockerfile", cache=cache, out_dir=out, log=QUIET, engine=engine)
     message = failure.value.render()
     assert "not enough disk" in message and "/var/lib/docker" in message and "docker image prune" in message
     assert engine.count("build") == 0
@@ -132,7 +132,7 @@ def test_a_tight_disk_drops_the_layer_cache_and_builds_with_a_warning(smoke):
     _builder_stage(engine, plan, 3)
     engine.free_bytes = 50     # above the image (~34) but under the build's peak (~102)
     stream = io.StringIO()
-    report = pipeline.build_image(plan, cache=cache, out_dir=out, log=EventLog(stream=stream), engine=engine)
+    report = pipeline.build_image(plan, builder="dockerfile", cache=cache, out_dir=out, log=EventLog(stream=stream), engine=engine)
     assert engine.count("build") == 1 and "stage-3" not in engine.images
     assert any("builder stage" in p for p in report.pruned)
     assert "may need up to" in stream.getvalue()
@@ -143,7 +143,7 @@ def test_a_roomy_disk_keeps_the_layer_cache(smoke):
     engine = engine_with_bases(plan)
     _builder_stage(engine, plan, 3)
     engine.free_bytes = 10 ** 12
-    pipeline.build_image(plan, cache=cache, out_dir=out, log=QUIET, engine=engine)
+    pipeline.build_image(plan, builder="dockerfile", cache=cache, out_dir=out, log=QUIET, engine=engine)
     assert "stage-3" in engine.images
 
 

@@ -1,0 +1,123 @@
+"""Layers cached by the digest of their inputs, so a rebuild makes only the layers whose inputs
+changed (after a commit: the app layer alone).
+
+An entry is a folder `layers/<key>/` holding `layer.tar.gz` and `layer.json` (diffID, digest,
+size, what it is). It is written in a scratch folder beside it and renamed into place, so a
+killed build leaves no half-written entry; an entry whose files do not agree with its
+`layer.json` is treated as missing and rebuilt. The blob is not re-hashed on every use: both
+of its readers check it (the engine recomputes the diffID on load, a registry the digest on
+upload), so a tampered entry fails there, loudly.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from build.oci.tarlayer import LayerBlob
+
+LAYER_FORMAT = 1       # bump when the way layers are written changes, so old entries are not reused
+BLOB_NAME, META_NAME = "layer.tar.gz", "layer.json"
+
+
+@dataclass(frozen=True)
+class CachedLayer:
+    key: str
+    name: str            # base, venv, lock, app
+    diff_id: str
+    digest: str
+    size: int
+    created_by: str      # the image history's line for this layer
+    mtime: int
+    path: Path
+    reused: bool = False
+
+    def meta(self) -> dict:
+        data = asdict(self)
+        for transient in ("path", "reused", "key"):
+            data.pop(transient)
+        return data
+
+
+def layer_key(name: str, inputs: dict) -> str:
+    document = {"format": LAYER_FORMAT, "layer": name, "inputs": inputs}
+    return hashlib.sha256(json.dumps(document, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+class LayerCache:
+    def __init__(self, root: Path):
+        self.root = root
+
+    def lookup(self, key: str) -> CachedLayer | None:
+        folder = self.root / key
+        try:
+            meta = json.loads((folder / META_NAME).read_text())
+            blob = folder / BLOB_NAME
+            if blob.stat().st_size != meta["size"]:
+                return None
+            return CachedLayer(key=key, path=blob, reused=True, **meta)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def get_or_make(self, key: str, name: str, created_by: str, mtime: int,
+                    make: Callable[[Path], LayerBlob]) -> CachedLayer:
+        """The cached layer for `key`, or `make(path)` writes it at `path` and it is published."""
+        found = self.lookup(key)
+        if found is not None:
+            return found
+        self.root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".tmp-layer-{os.getpid()}-", dir=self.root))
+        try:
+            blob = make(staging / BLOB_NAME)
+            layer = CachedLayer(key=key, name=name, diff_id=blob.diff_id, digest=blob.digest, size=blob.size,
+                                created_by=created_by, mtime=mtime, path=self.root / key / BLOB_NAME)
+            (staging / META_NAME).write_text(json.dumps(layer.meta(), sort_keys=True, indent=1) + "\n")
+            os.chmod(staging, 0o755)
+            try:
+                os.rename(staging, self.root / key)
+            except OSError:
+                if self.lookup(key) is None:   # not a concurrent build that published the same layer first
+                    raise
+            published = self.lookup(key)
+            return replace(published, reused=False) if published is not None else layer
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def record_use(self, image: str, keys: list[str]) -> None:
+        """Remember which entries the newest build of `image` uses (see prune_unused)."""
+        from contracts import atomic
+
+        atomic.write_text(self.root / "used-by" / f"{image}.json", json.dumps(sorted(keys)) + "\n")
+
+    def prune_unused(self) -> list[str]:
+        """Remove entries that no image's newest build uses: what a build superseded (an old app
+        layer, the venv of a changed wheel set) would otherwise fill the disk, gigabytes a time."""
+        used: set[str] = set()
+        for record in sorted((self.root / "used-by").glob("*.json")) if self.root.is_dir() else []:
+            try:
+                used.update(json.loads(record.read_text()))
+            except (OSError, ValueError):
+                return []     # an unreadable record: keep everything rather than guess
+        removed = []
+        for entry in sorted(self.root.iterdir()) if self.root.is_dir() else []:
+            if len(entry.name) == 64 and entry.name not in used:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry.name)
+        return removed
+
+    def sweep(self) -> list[str]:
+        """Scratch folders of builds that were killed (their process is gone)."""
+        from build.cache import _alive
+
+        swept = []
+        for path in self.root.glob(".tmp-layer-*") if self.root.is_dir() else []:
+            pid = path.name.split("-")[3]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+                swept.append(path.name)
+        return swept

@@ -1,0 +1,83 @@
+"""Assemble the runtime image of a plan from its rendered context, and load it into the engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from build.cache import CacheLayout
+from build.context.render import APP_DIR, GATE, VENV, RenderedContext
+from build.oci import load as engine_load
+from build.oci.baselayer import TrainingUser, base_epoch, base_layers
+from build.oci.image import AssembledImage, RuntimeSettings, assemble, file_layer, tree_layer, write_layout
+from build.oci.layercache import LayerCache
+from build.oci.tarlayer import EXEC_MODE, FILE_MODE
+from build.oci.venv import LockedWheel, capped, venv_layer, wheels_epoch
+from build.resolve import BuildPlan
+from contracts.events import EventLog
+from contracts.lock import LOCK_PATH
+
+BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@dataclass(frozen=True)
+class Assembly:
+    image: AssembledImage
+    layout: Path
+    layers_sent: int          # how many layers the engine had to be sent (0 when it had the image)
+    states: dict[str, str]    # per layer: "hit" or "miss"
+
+
+def lock_epoch(wheels: list[LockedWheel], runtime_base: dict) -> int:
+    """The time of the lock layer and the SBOM: that of their inputs (the wheels and the base),
+    never the commit's, so a new commit leaves the layer as it was."""
+    return capped(max(wheels_epoch(wheels), base_epoch({"created": runtime_base.get("Created", "")})))
+
+
+def runtime_settings(plan: BuildPlan, base_env: list[str], labels: dict[str, str]) -> RuntimeSettings:
+    user = plan.spec.user
+    kept = [e for e in base_env if not e.startswith(("PATH=", "HOME="))]
+    env = [f"PATH={VENV}/bin:/opt/ftimage/bin:{BASE_PATH}", *kept,
+           "PYTHONDONTWRITEBYTECODE=1", "PYTHONUNBUFFERED=1", f"FTIMAGE_LOCK={LOCK_PATH}",
+           f"TRITON_CACHE_DIR=/home/{user.name}/.triton/cache", f"HOME=/home/{user.name}"]
+    return RuntimeSettings(user=f"{user.uid}:{plan.spec.gid}", env=env,
+                           entrypoint=[f"{VENV}/bin/python", "-I", "-m", "entrypoint"], cmd=["info"],
+                           workdir="/workspace", labels=labels)
+
+
+def assemble_runtime_image(plan: BuildPlan, context: RenderedContext, *, wheels: list[LockedWheel],
+                           runtime_base: str, engine, cache: CacheLayout, out_dir: Path, app_epoch: int,
+                           labels: dict[str, str], log: EventLog) -> Assembly:
+    layers_cache = LayerCache(cache.layers)
+    layers_cache.sweep()
+    base_info = engine.image(runtime_base) or {}
+    user = TrainingUser(plan.spec.user.name, plan.spec.user.uid, plan.spec.gid)
+    with cache.scratch_dir("assemble") as scratch:
+        base = base_layers(engine, layers_cache, Path(scratch), runtime_base, user)
+        venv = venv_layer(engine=engine, cache=layers_cache, scratch=Path(scratch), wheels=wheels, venv=VENV,
+                          app_dir=APP_DIR, python_minor=plan.toolchain.python, base_ref=runtime_base,
+                          base_diff_ids=[layer.diff_id for layer in base], log=log)
+    directory = context.directory
+    lock = file_layer(layers_cache, "lock", {
+        f"{str(LOCK_PATH.parent).lstrip('/')}/{name}": ((directory / name).read_bytes(), FILE_MODE)
+        for name in ("build.lock.json", "sbom.cdx.json")}, lock_epoch(wheels, base_info),
+        f"ftimage lock: {LOCK_PATH} and the SBOM")
+    app = tree_layer(layers_cache, "app", directory / "app", APP_DIR, app_epoch, f"ftimage app: {APP_DIR} and {GATE}",
+                     extra={GATE.lstrip("/"): ((directory / "ftimage-gate").read_bytes(), EXEC_MODE)})
+    layers = [*base, venv, lock, app]
+    layers_cache.record_use(plan.spec.name, [layer.key for layer in layers])
+    pruned = layers_cache.prune_unused()
+    if pruned:
+        log.emit("image", f"removed {len(pruned)} superseded layer(s) from the layer cache")
+    states = {f"{layer.name}:{layer.diff_id[7:19]}": "hit" if layer.reused else "miss" for layer in layers}
+    base_env = list(((base_info.get("Config") or {}).get("Env")) or [])
+    image = assemble(layers, runtime_settings(plan, base_env, labels), app_epoch)
+    layout = write_layout(image, out_dir, plan.tag)
+    existing = engine.image(image.image_id)
+    if existing is not None:
+        engine.tag(image.image_id, plan.tag)
+        sent = 0
+    else:
+        _, sent = engine_load.load(engine, image.config, plan.tag, layers, image.image_id)
+    log.emit("image", f"image {image.image_id[:19]} ({len(layers)} layers, {sent} sent to the engine), "
+             f"manifest {image.manifest_digest[:19]}")
+    return Assembly(image=image, layout=layout, layers_sent=sent, states=states)

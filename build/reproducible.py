@@ -1,0 +1,256 @@
+"""`python -m build verify-reproducible IMAGE_DIR`: build the image twice and prove both builds
+give the same image.
+
+Each build runs from its own fresh clone of HEAD, with its own fresh cache and output folder.
+The second one also runs under umask 077, another time zone and, where this process may
+create a UTS namespace (root with `unshare`), another host name. Compared: the image ID, every
+layer's diffID, the manifest digest, the lock's sha256 and, with `--push-to`, the digest the
+registry stores for each. On a mismatch the first differing layer is opened and its first
+differing paths are shown (with diffoscope's report too, when it is installed); exit 1.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from build.errors import BuildFailure
+from build.spec import REPO_ROOT
+from contracts.schema import InvalidInput, Problem
+
+SECOND_BUILD_TZ = "Pacific/Kiritimati"
+SECOND_BUILD_HOSTNAME = "reproducibility-check"
+SHOWN_PATHS = 10
+
+
+class ReproducibleArgs(InvalidInput):
+    title = "verify-reproducible's arguments"
+
+
+@dataclass
+class BuildResult:
+    label: str
+    conditions: str
+    image_id: str = ""
+    manifest_digest: str = ""
+    diff_ids: list[str] = field(default_factory=list)
+    lock_sha256: str = ""
+    pushed_digest: str = ""
+    layout: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class Comparison:
+    same: bool
+    rows: list[tuple[str, str, str, bool]]
+    first_differing_layer: int | None = None
+    differing_paths: list[str] = field(default_factory=list)
+    diffoscope: str = ""
+
+    def render(self, a: BuildResult, b: BuildResult) -> str:
+        lines = [f"build A: {a.conditions}", f"build B: {b.conditions}", "",
+                 f"{'WHAT':<22} {'SAME':<5} {'BUILD A':<28} BUILD B"]
+        lines += [f"{what:<22} {'yes' if same else 'NO':<5} {va[:28]:<28} {vb[:28]}"
+                  for what, va, vb, same in self.rows]
+        if self.first_differing_layer is not None:
+            lines += ["", f"layer {self.first_differing_layer + 1} differs; first differing paths:"]
+            lines += [f"  {p}" for p in self.differing_paths] or \
+                ["  (same entries: the difference is in the tar framing)"]
+        if self.diffoscope:
+            lines += ["", "diffoscope:", self.diffoscope]
+        lines += ["", "REPRODUCIBLE" if self.same else "NOT REPRODUCIBLE"]
+        return "\n".join(lines)
+
+
+def compare(a: BuildResult, b: BuildResult) -> Comparison:
+    rows = [("image ID", a.image_id, b.image_id, a.image_id == b.image_id),
+            ("manifest digest", a.manifest_digest, b.manifest_digest, a.manifest_digest == b.manifest_digest),
+            ("lock sha256", a.lock_sha256, b.lock_sha256, a.lock_sha256 == b.lock_sha256),
+            ("layer count", str(len(a.diff_ids)), str(len(b.diff_ids)), len(a.diff_ids) == len(b.diff_ids))]
+    for i, (da, db) in enumerate(zip(a.diff_ids, b.diff_ids)):
+        rows.append((f"layer {i + 1} diffID", da, db, da == db))
+    if a.pushed_digest or b.pushed_digest:
+        rows.append(("pushed digest", a.pushed_digest, b.pushed_digest, a.pushed_digest == b.pushed_digest))
+    result = Comparison(same=all(row[3] for row in rows) and bool(a.image_id), rows=rows)
+    differing = next((i for i, (da, db) in enumerate(zip(a.diff_ids, b.diff_ids)) if da != db), None)
+    if differing is not None and a.layout and b.layout:
+        blob_a, blob_b = layer_blob(Path(a.layout), differing), layer_blob(Path(b.layout), differing)
+        result.first_differing_layer = differing
+        result.differing_paths = differing_paths(blob_a, blob_b)[:SHOWN_PATHS]
+        result.diffoscope = run_diffoscope(blob_a, blob_b)
+    return result
+
+
+def layer_blob(layout: Path, index: int) -> Path:
+    from build.oci.image import read_layout
+
+    return read_layout(layout)[2][index]
+
+
+def entries(blob: Path) -> dict[str, tuple]:
+    """path -> (type, mode, uid, gid, mtime, size, link target, content sha256), streamed."""
+    found = {}
+    with tarfile.open(blob, mode="r|*") as tar:
+        for member in tar:
+            digest = ""
+            if member.isreg():
+                sha = hashlib.sha256()
+                handle = tar.extractfile(member)
+                while chunk := handle.read(1 << 20):
+                    sha.update(chunk)
+                digest = sha.hexdigest()[:16]
+            found[member.name] = (member.type.decode(errors="replace"), oct(member.mode), member.uid, member.gid,
+                                  member.mtime, member.size, member.linkname, digest)
+    return found
+
+
+FIELDS = ("type", "mode", "uid", "gid", "mtime", "size", "link", "content")
+
+
+def differing_paths(blob_a: Path, blob_b: Path) -> list[str]:
+    left, right = entries(blob_a), entries(blob_b)
+    out = []
+    for path in sorted(set(left) | set(right)):
+        if path not in left or path not in right:
+            out.append(f"{path}: only in build {'A' if path in left else 'B'}")
+        elif left[path] != right[path]:
+            what = [f"{name} {x} vs {y}" for name, x, y in zip(FIELDS, left[path], right[path]) if x != y]
+            out.append(f"{path}: {', '.join(what)}")
+    return out
+
+
+def run_diffoscope(blob_a: Path, blob_b: Path) -> str:
+    if shutil.which("diffoscope") is None:
+        return ""
+    try:
+        out = subprocess.run(["diffoscope", "--text", "-", "--max-report-size", "200000", str(blob_a), str(blob_b)],
+                             capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"(diffoscope did not finish: {exc})"
+    return "\n".join(out.stdout.splitlines()[:80])
+
+
+# ---- the two builds -------------------------------------------------------------------------
+
+def _clone(work: Path, name: str) -> Path:
+    dest = work / name
+    done = subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(REPO_ROOT), str(dest)], capture_output=True,
+                          text=True, timeout=600)
+    if done.returncode != 0:
+        raise BuildFailure(f"cannot clone {REPO_ROOT}: {done.stderr.strip()[:300]}",
+                           "run verify-reproducible from a git checkout of this project")
+    return dest
+
+
+def _can_unshare() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-u", "true"], capture_output=True, timeout=30).returncode == 0
+
+
+def _build(clone: Path, image_rel: str, work: Path, label: str, *, umask: int, tz: str, hostname: str | None,
+           kernels_from: Path | None, log_to) -> BuildResult:
+    cache, out = work / f"cache-{label}", work / f"out-{label}"
+    if kernels_from is not None and (kernels_from / "kernels").is_dir():
+        # compiled kernels are shared on purpose: nvcc's output is not the subject of this check
+        cache.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["cp", "-al", str(kernels_from / "kernels"), str(cache / "kernels")], check=True,
+                       capture_output=True, timeout=600)
+    command = [sys.executable, "-m", "build", image_rel, "--cache", str(cache), "--out", str(out), "--json"]
+    conditions = f"umask {umask:03o}, TZ={tz}"
+    shell = f"umask {umask:03o}; exec \"$@\""
+    argv = ["sh", "-c", shell, "sh", *command]
+    if hostname:
+        argv = ["unshare", "-u", "sh", "-c", f"hostname {hostname} && umask {umask:03o} && exec \"$@\"", "sh", *command]
+        conditions += f", host name {hostname}"
+    env = {k: v for k, v in os.environ.items() if k not in ("SOURCE_DATE_EPOCH", "FTIMAGE_CACHE")}
+    env["TZ"] = tz
+    print(f"verify-reproducible: build {label} ({conditions}) in {clone}", file=log_to, flush=True)
+    import time
+
+    started = time.monotonic()
+    done = subprocess.run(argv, cwd=clone, env=env, stdout=subprocess.PIPE, stderr=log_to, text=True)
+    if done.returncode != 0:
+        raise BuildFailure(f"build {label} of {image_rel} failed (exit {done.returncode}); its log is above",
+                           "fix the build first: `python -m build " + image_rel + "`")
+    report = json.loads(done.stdout)
+    lock = (out / "build.lock.json").read_bytes()
+    return BuildResult(label=label, conditions=conditions, image_id=report["image_id"],
+                       manifest_digest=report.get("manifest_digest", ""), diff_ids=report.get("diff_ids", []),
+                       lock_sha256=hashlib.sha256(lock).hexdigest(), layout=report.get("layout", ""),
+                       seconds=round(time.monotonic() - started, 1))
+
+
+def _push(result: BuildResult, target) -> None:
+    from build.oci.registry_push import LayoutRegistryClient
+    from build.registry import Registry
+
+    client = LayoutRegistryClient(Path(result.layout), Registry(target.registry), target.path)
+    for item in client.push(target.repository, f"repro-{result.label.lower()}"):
+        if "error" in item:
+            raise BuildFailure(f"pushing build {result.label} to {target.repository} failed: {item['error']}",
+                               "check that the registry is up, or leave out --push-to")
+        if (item.get("aux") or {}).get("Digest"):
+            result.pushed_digest = item["aux"]["Digest"]
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m build verify-reproducible", description=__doc__.split("\n\n")[0])
+    p.add_argument("image_dir", type=Path, help="an image folder of this checkout, e.g. images/smoke")
+    p.add_argument("--work", type=Path, help="where the clones, caches and outputs go (default: a temporary "
+                   "folder, removed afterwards)")
+    p.add_argument("--push-to", metavar="REPOSITORY", help="also push both builds to REGISTRY/REPO (tags repro-a "
+                   "and repro-b) and compare the registry's digests")
+    p.add_argument("--kernels-from", type=Path, metavar="CACHE", help="share this cache's compiled kernels with "
+                   "both builds (hard links): compiling kernels twice is slow and nvcc's output is out of scope")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    image_dir = args.image_dir.resolve()
+    if not image_dir.is_relative_to(REPO_ROOT) or not (image_dir / "image.yaml").is_file():
+        raise ReproducibleArgs([Problem("verify-reproducible", "IMAGE_DIR", f"{args.image_dir} is not an image "
+                                        f"folder of this checkout ({REPO_ROOT})",
+                                        "name a folder under images/ that holds an image.yaml", "not-an-image")])
+    target = None
+    if args.push_to:
+        from build.push import parse_push_target
+
+        target = parse_push_target(args.push_to)
+    dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    if dirty:
+        print("verify-reproducible: note: uncommitted changes are not part of the check; it builds HEAD",
+              file=sys.stderr)
+    work = args.work or Path(tempfile.mkdtemp(prefix="ftimage-repro-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rel = str(image_dir.relative_to(REPO_ROOT))
+    try:
+        results = []
+        other_host = SECOND_BUILD_HOSTNAME if _can_unshare() else None
+        for label, umask, tz, host in (("A", 0o022, "UTC", None), ("B", 0o077, SECOND_BUILD_TZ, other_host)):
+            clone = _clone(work, f"clone-{label}")
+            results.append(_build(clone, rel, work, label, umask=umask, tz=tz, hostname=host,
+                                  kernels_from=args.kernels_from, log_to=sys.stderr))
+        if target is not None:
+            for result in results:
+                _push(result, target)
+        comparison = compare(*results)
+        if args.json:
+            print(json.dumps({"reproducible": comparison.same, "builds": [asdict(r) for r in results],
+                              "rows": [{"what": w, "a": a, "b": b, "same": s} for w, a, b, s in comparison.rows],
+                              "first_differing_layer": comparison.first_differing_layer,
+                              "differing_paths": comparison.differing_paths}, indent=2))
+        else:
+            print(comparison.render(*results))
+        return 0 if comparison.same else 1
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
