@@ -28,6 +28,7 @@ LOCK_LABEL = "io.ftimage.lock.sha256"
 BASE_ID_LABEL = "io.ftimage.base.id"
 IMAGE_LABEL = "io.ftimage.image"
 STAGE_LABEL = "io.ftimage.stage"
+BUILDER_LABEL = "io.ftimage.builder"   # oci or dockerfile: one context gives two different images
 
 
 @dataclass
@@ -128,7 +129,7 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
         for name in ("build.lock.json", "sbom.cdx.json"):
             atomic.write_bytes(out_dir / name, (context.directory / name).read_bytes())
     labels = {**context.labels, CONTEXT_LABEL: context.digest, LOCK_LABEL: report.lock_sha256,
-              BASE_ID_LABEL: bases["runtime"].id, IMAGE_LABEL: plan.spec.name}
+              BASE_ID_LABEL: bases["runtime"].id, IMAGE_LABEL: plan.spec.name, BUILDER_LABEL: builder}
     if builder == "oci":
         with timer("image"):
             report.pruned += make_room(engine, image=plan.tag, wheel_bytes=wheelhouse_bytes(context.directory),
@@ -163,8 +164,9 @@ def _classic_build(plan: BuildPlan, engine: Engine, context, labels: dict[str, s
     staged folder to. Its image ID and history differ from build to build."""
     with timer("image"):
         existing = engine.image(plan.tag)
-        labels = (existing or {}).get("Config", {}).get("Labels") or {}
-        if existing and labels.get(CONTEXT_LABEL) == context.digest:
+        existing_labels = (existing or {}).get("Config", {}).get("Labels") or {}
+        if existing and existing_labels.get(CONTEXT_LABEL) == context.digest and \
+                existing_labels.get(BUILDER_LABEL, "dockerfile") == "dockerfile":
             log.emit("image", f"image cache hit: {plan.tag} was built from this exact context")
             report.cache["image"] = "hit"
             report.image_id, report.size_bytes = existing["Id"], int(existing.get("Size", 0))

@@ -78,6 +78,6 @@ def test_the_classic_builder_remains_a_working_fallback(engine, restore_smoke, t
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)
     assert report["builder"] == "dockerfile" and not report["manifest_digest"]
-    assert "Step " in proc.stderr          # the engine's builder ran the rendered Dockerfile
+    assert report["steps"] and "COPY --from=builder" in proc.stderr   # the engine ran the rendered Dockerfile
     info = engine.run(report["tag"], ["info"])
     assert info.exit_code == 0 and "plan key" in info.output
