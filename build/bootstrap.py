@@ -11,8 +11,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from build import proc
-from build.cache import CacheLayout
+from build import debs_lock, proc
+from build.cache import CacheLayout, default_cache_root
 from build.engine import Engine
 from build.errors import BuildFailure
 from build.image_archive import file_sha256, image_config, write_archive
@@ -66,7 +66,7 @@ def bootstrap(base: BootstrapBase, engine: Engine, cache: CacheLayout, log: Even
         raise BuildFailure("debootstrap needs root to build a base filesystem",
                            f"run `sudo python -m build bootstrap-base {base.path}` once; later builds reuse it")
     with cache.scratch_dir("base") as tmp:
-        tarball, epoch = rootfs_tarball(base, Path(tmp), log)
+        tarball, epoch = rootfs_tarball(base, Path(tmp), log, cache)
         diff_id = file_sha256(tarball)
         log.emit("bootstrap", "loading the root filesystem", size_mb=tarball.stat().st_size // 2 ** 20,
                  diff_id=diff_id[:19])
@@ -84,14 +84,23 @@ def bootstrap(base: BootstrapBase, engine: Engine, cache: CacheLayout, log: Even
     return BaseImage(ref=tag, id=image_id, reused=False)
 
 
-def rootfs_tarball(base: BootstrapBase, work: Path, log: EventLog) -> tuple[Path, int]:
+def rootfs_tarball(base: BootstrapBase, work: Path, log: EventLog,
+                   cache: CacheLayout | None = None) -> tuple[Path, int]:
     """debootstrap into `work`, make the tree deterministic (build/rootfs.py) and tar it; returns
-    (the tarball, the base's epoch)."""
+    (the tarball, the base's epoch). With a deb lock, only the locked .debs are installed, from a
+    local repository made of them (build/debs_lock.py)."""
     rootfs = work / "rootfs"
     progress = Progress(log, "bootstrap", base.name, expected_seconds=90.0, min_interval=5.0)
     progress.update(None, f"debootstrap {base.suite} ({base.variant}) with {', '.join(base.packages)}", force=True)
-    cmd = ["debootstrap", f"--variant={base.variant}", f"--include={','.join(sorted(base.packages))}",
-           base.suite, str(rootfs), base.mirror]
+    lock = debs_lock.load_lock(base.path)
+    mirror, extra = base.mirror, []
+    if lock is not None:
+        debs = debs_lock.ensure_debs(lock, cache or CacheLayout(default_cache_root()), log)
+        mirror = debs_lock.write_repository(lock, debs, work / "repo")
+        extra = ["--no-check-gpg"]   # the repository holds only .debs checked against the reviewed lock
+        progress.update(None, f"installing the {len(debs)} locked packages of {debs_lock.LOCK_NAME}", force=True)
+    cmd = ["debootstrap", f"--variant={base.variant}", f"--include={','.join(sorted(base.packages))}", *extra,
+           base.suite, str(rootfs), mirror]
     # debootstrap creates folders itself (the root among them) with the caller's umask; under
     # umask 077 the image's / would be 0700. dpkg sets package modes explicitly.
     inherited = os.umask(0o022)
@@ -109,6 +118,8 @@ def rootfs_tarball(base: BootstrapBase, work: Path, log: EventLog) -> tuple[Path
         raise BuildFailure(f"debootstrap failed for base {base.name}:\n{tail}",
                            f"check that {base.mirror} is reachable and the package names exist in {base.suite}")
     epoch = base_epoch(rootfs)
+    if lock is not None:   # the image names the real mirror, not this build's scratch folder
+        (rootfs / "etc/apt/sources.list").write_text(f"deb {lock.mirror} {lock.suite} main\n")
     normalise(rootfs, epoch)
     tarball = work / "rootfs.tar"
     write_tarball(rootfs, tarball, epoch)

@@ -279,8 +279,14 @@ class BootstrapBase:
     path: Path = field(init=False, default=Path("."))
 
     def spec_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "suite": self.suite, "variant": self.variant, "mirror": self.mirror,
+        spec = {"name": self.name, "suite": self.suite, "variant": self.variant, "mirror": self.mirror,
                 "packages": sorted(self.packages)}
+        lock = self.path / "debs.lock.json"
+        if lock.is_file():   # a re-pinned lock is a new base
+            import hashlib
+
+            spec["debs_lock_sha256"] = hashlib.sha256(lock.read_bytes()).hexdigest()
+        return spec
 
 
 # ---- images/<name>/image.yaml ------------------------------------------------------------
