@@ -205,12 +205,15 @@ def test_a_user_the_base_already_has_is_a_clear_failure(tmp_path):
 
 # ---- the venv ---------------------------------------------------------------------------------
 
+WHEEL_FILE = b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+
+
 def make_wheel(folder: Path, name: str, version: str, files: dict[str, bytes], requires: tuple[str, ...] = ()) -> Path:
     dist_info = f"{name}-{version}.dist-info"
     metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + \
         "".join(f"Requires-Dist: {r}\n" for r in requires)
     contents = {**files, f"{dist_info}/METADATA": metadata.encode(),
-                f"{dist_info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+                f"{dist_info}/WHEEL": WHEEL_FILE}
     rows = []
     for path, data in contents.items():
         digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()

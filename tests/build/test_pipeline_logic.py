@@ -132,7 +132,8 @@ def test_a_tight_disk_drops_the_layer_cache_and_builds_with_a_warning(smoke):
     _builder_stage(engine, plan, 3)
     engine.free_bytes = 50     # above the image (~34) but under the build's peak (~102)
     stream = io.StringIO()
-    report = pipeline.build_image(plan, builder="dockerfile", cache=cache, out_dir=out, log=EventLog(stream=stream), engine=engine)
+    report = pipeline.build_image(plan, builder="dockerfile", cache=cache, out_dir=out, log=EventLog(stream=stream),
+                                  engine=engine)
     assert engine.count("build") == 1 and "stage-3" not in engine.images
     assert any("builder stage" in p for p in report.pruned)
     assert "may need up to" in stream.getvalue()
