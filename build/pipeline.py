@@ -122,7 +122,7 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
         context = render_context(plan, out_dir / "context", wheels=resolution.wheels, cache=cache,
                                  kernel_wheels=provided.wheels,
                                  base_refs={s: b.ref for s, b in bases.items()},
-                                 base_ids={s: b.id for s, b in bases.items()}, base_packages=debs,
+                                 base_ids=base_identities(engine, plan, bases), base_packages=debs,
                                  epoch=app_epoch, sbom_epoch=sbom_epoch)
         report.lock_sha256 = context.lock.sha256()
         report.context_sha256 = context.digest
@@ -179,6 +179,22 @@ def _classic_build(plan: BuildPlan, engine: Engine, context, labels: dict[str, s
             built = engine.build(context.directory, plan.tag, log=log, labels=labels)
             report.image_id, report.size_bytes = built.id, built.size_bytes
             report.steps = [(step[:80], round(secs, 2)) for step, secs in built.step_seconds]
+
+
+def base_identities(engine: Engine, plan: BuildPlan, bases: dict) -> dict[str, str]:
+    """What the lock records of each base: the image ID (the canonical config's digest for a
+    bootstrapped base), its layers' diffIDs (the root filesystem itself) and the digest of the
+    deb lock it was bootstrapped from."""
+    from build import debs_lock
+
+    found: dict[str, str] = {}
+    for stage, ref in (("builder", plan.spec.builder_base), ("runtime", plan.spec.runtime_base)):
+        found[stage] = bases[stage].id
+        found[f"{stage}.rootfs"] = ",".join(((engine.image(bases[stage].ref) or {}).get("RootFS") or {})
+                                            .get("Layers") or [])
+        lock = debs_lock.load_lock(ref.bootstrap.path) if ref.bootstrap else None
+        found[f"{stage}.debs-lock"] = lock.sha256() if lock else ""
+    return found
 
 
 def prune_superseded(engine: Engine, plan: BuildPlan, keep_id: str, log: EventLog) -> list[str]:

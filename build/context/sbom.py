@@ -45,9 +45,13 @@ def render_sbom(lock: BuildLock, source_date_epoch: int, base_packages: tuple[De
                         Property(name="ftimage:archs", value=",".join(kernel.archs) or "-")]))
         refs.append(ref)
     for stage, image_id in sorted(lock.base_images.items()):
+        if "." in stage:     # "runtime.rootfs", "runtime.debs-lock": properties of the stage's base
+            continue
         ref = BomRef(f"ftimage-base:{stage}")
+        details = [Property(name=f"ftimage:{key.partition('.')[2]}", value=value)
+                   for key, value in sorted(lock.base_images.items()) if key.startswith(f"{stage}.") and value]
         bom.components.add(Component(name=f"base-{stage}", version=image_id, type=ComponentType.CONTAINER,
-                                     bom_ref=ref))
+                                     bom_ref=ref, properties=details))
         refs.append(ref)
     for deb in base_packages:
         ref = BomRef(deb.purl)

@@ -45,7 +45,9 @@ class CachedLayer:
 
 
 def layer_key(name: str, inputs: dict) -> str:
-    document = {"format": LAYER_FORMAT, "layer": name, "inputs": inputs}
+    from build.oci.tarlayer import GZIP_LEVEL
+
+    document = {"format": LAYER_FORMAT, "gzip": GZIP_LEVEL, "layer": name, "inputs": inputs}
     return hashlib.sha256(json.dumps(document, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

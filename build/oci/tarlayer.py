@@ -12,8 +12,10 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
+import queue
 import stat
 import tarfile
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,9 @@ from pathlib import Path
 from contracts.schema import InvalidInput, Problem
 
 CHUNK = 1 << 20
-GZIP_LEVEL = 6
+# zlib level 3: measured on the smoke venv (1.38 GB), 18 s and 407 MiB against level 6's 41 s and
+# 375 MiB; level 1 took 13 s for 429 MiB. The level is part of every layer's cache key.
+GZIP_LEVEL = 3
 DIR_MODE, FILE_MODE, EXEC_MODE = 0o755, 0o644, 0o755
 
 
@@ -76,6 +80,49 @@ class _Digesting:
             self.sink.flush()
 
 
+class _CompressingThread:
+    """A write-only file whose bytes are gzipped on another thread: zlib releases the GIL, so
+    compression runs beside the tar writing and hashing instead of after it."""
+
+    BATCH = 4 << 20
+
+    def __init__(self, gz: gzip.GzipFile):
+        self.gz, self.pending, self.error = gz, bytearray(), None
+        self.queue: queue.Queue = queue.Queue(maxsize=8)
+        self.thread = threading.Thread(target=self._run, name="layer-gzip", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (chunk := self.queue.get()) is not None:
+            if self.error is None:
+                try:
+                    self.gz.write(chunk)
+                except Exception as exc:  # noqa: BLE001 - any failure is re-raised on the writing thread
+                    self.error = exc
+
+    def write(self, data) -> int:
+        if self.error is not None:
+            raise self.error
+        self.pending += data
+        if len(self.pending) >= self.BATCH:
+            self.queue.put(bytes(self.pending))
+            self.pending.clear()
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.pending:
+            self.queue.put(bytes(self.pending))
+            self.pending.clear()
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        self.gz.close()
+
+
 class LayerWriter:
     """Write entries into `path` as a gzipped tar; `close()` gives the digests."""
 
@@ -83,7 +130,8 @@ class LayerWriter:
         self.path, self.mtime = path, int(mtime)
         self._raw = path.open("wb")
         self._blob = _Digesting(self._raw)
-        self._gzip = gzip.GzipFile(filename="", mode="wb", compresslevel=GZIP_LEVEL, fileobj=self._blob, mtime=0)
+        self._gzip = _CompressingThread(gzip.GzipFile(filename="", mode="wb", compresslevel=GZIP_LEVEL,
+                                                      fileobj=self._blob, mtime=0))
         self._tar_stream = _Digesting(self._gzip)
         self._tar = tarfile.open(fileobj=self._tar_stream, mode="w|", format=tarfile.PAX_FORMAT)
 
@@ -128,7 +176,7 @@ class LayerWriter:
         for closer in (self._tar.close, self._gzip.close, self._raw.close):
             try:
                 closer()
-            except (OSError, ValueError, tarfile.TarError):
+            except Exception:  # noqa: BLE001 - the error being raised already is the one that matters
                 pass
 
 

@@ -61,9 +61,13 @@ def wheels_epoch(wheels: list[LockedWheel]) -> int:
     """The newest entry time in any of the wheels (zip times are UTC by convention)."""
     newest = 0
     for wheel in wheels:
-        with zipfile.ZipFile(wheel.path) as archive:
-            for info in archive.infolist():
-                newest = max(newest, calendar.timegm((*info.date_time, 0, 0, 0)))
+        try:
+            with zipfile.ZipFile(wheel.path) as archive:
+                for info in archive.infolist():
+                    newest = max(newest, calendar.timegm((*info.date_time, 0, 0, 0)))
+        except (OSError, zipfile.BadZipFile) as exc:
+            raise BuildFailure(f"{wheel.filename} in the cache is not a readable wheel ({exc})",
+                               "delete its cache entry (or use a fresh --cache); it is downloaded again") from None
     return newest
 
 

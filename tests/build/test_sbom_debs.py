@@ -58,7 +58,7 @@ def test_the_sbom_lists_the_runtime_bases_packages(smoke):  # noqa: F811
     plan, cache, out = smoke
     engine = engine_with_bases(plan)
     engine.files[(base_tag(plan.spec.runtime_base.bootstrap), DPKG_STATUS)] = STATUS.encode()
-    pipeline.build_image(plan, cache=cache, out_dir=out, log=QUIET, engine=engine)
+    pipeline.build_image(plan, builder="dockerfile", cache=cache, out_dir=out, log=QUIET, engine=engine)
     sbom = json.loads((out / "sbom.cdx.json").read_text())
     debs = {c["purl"] for c in sbom["components"] if c.get("purl", "").startswith("pkg:deb/")}
     assert debs == {"pkg:deb/debian/libc6@2.36-9%2Bdeb12u10?arch=amd64",
