@@ -252,7 +252,8 @@ def push_image(report: BuildReport, target: PushTarget, *, out_dir: Path, log: E
         from build.oci.registry_push import LayoutRegistryClient
         from build.registry import Registry
 
-        client = LayoutRegistryClient(Path(report.layout), Registry(target.registry), target.path)
+        client = LayoutRegistryClient(Path(report.layout), Registry(
+            target.registry, plain_http=engine_allows_plain_http(target.registry)), target.path)
     client = client or DockerRegistryClient.connect()
     tag = report.tag.rpartition(":")[2]
     remote = f"{target.repository}:{tag}"
@@ -279,6 +280,28 @@ def push_image(report: BuildReport, target: PushTarget, *, out_dir: Path, log: E
     atomic.write_text(Path(out_dir) / REPORT_NAME, report.to_json())
     log.emit("push", f"pushed {record.reference}")
     return record
+
+
+def engine_allows_plain_http(registry: str) -> bool:
+    """Whether the local engine is configured to reach `registry` over plain HTTP (dockerd's
+    `insecure-registries`): a push from the layout follows the same setting `docker push` would."""
+    import ipaddress
+
+    try:
+        from build.engine.docker_engine import DockerEngine
+
+        config = DockerEngine.connect(timeout=10).client.info().get("RegistryConfig") or {}
+    except (BuildFailure, OSError, ValueError):
+        return False
+    if (config.get("IndexConfigs") or {}).get(registry, {}).get("Secure") is False:
+        return True
+    host = registry.rsplit(":", 1)[0].strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    cidrs = config.get("InsecureRegistryCIDRs") or []
+    return any(address in ipaddress.ip_network(cidr, strict=False) for cidr in cidrs)
 
 
 def _sign(record: PushRecord, report: BuildReport, target: PushTarget, key, log: EventLog) -> PushRecord:
@@ -348,7 +371,7 @@ def follow_push(stream: Iterable[dict[str, Any]], log: EventLog, remote: str) ->
 
 # The registry's message, matched to what the user can do about it (dockerd words them so).
 _FIXES: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("server gave http response to https client",),
+    (("server gave http response to https client", "wrong version number"),
      "{registry} speaks plain HTTP, and dockerd uses HTTPS for every registry outside 127.0.0.0/8 "
      "(127.0.0.1, localhost): serve it over TLS, or add \"{registry}\" to \"insecure-registries\" in "
      "/etc/docker/daemon.json and restart dockerd"),

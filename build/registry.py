@@ -44,11 +44,12 @@ def _plain_http(registry: str) -> bool:
 
 
 class Registry:
-    def __init__(self, registry: str, session=None):
+    def __init__(self, registry: str, session=None, *, plain_http: bool = False):
+        """`plain_http`: also speak HTTP off loopback (a registry the engine lists as insecure)."""
         import requests
 
         self.registry = registry
-        self.base = f"{'http' if _plain_http(registry) else 'https'}://{registry}/v2"
+        self.base = f"{'http' if plain_http or _plain_http(registry) else 'https'}://{registry}/v2"
         self.session = session or requests.Session()
         self._token: str | None = None
 
@@ -97,7 +98,7 @@ class Registry:
         try:
             answer = self.session.request(method, url, headers=headers, timeout=timeout, **kw)
         except requests.exceptions.RequestException as exc:
-            raise RegistryError(f"cannot reach {self.registry}: {str(exc).split('(Caused by')[0][:200]}",
+            raise RegistryError(f"cannot reach {self.registry}: {_cause(exc)}",
                                 f"check that the registry at {self.registry} is up and reachable") from None
         if authorize and answer.status_code == 401 and "WWW-Authenticate" in answer.headers and \
                 not headers.get("Authorization"):
@@ -183,6 +184,14 @@ class Registry:
             raise RegistryError(f"{self.registry} stored the manifest as {stored}, not {sha256_digest(manifest)}",
                                 "use a registry that keeps manifests byte for byte (OCI distribution)")
         return sha256_digest(manifest)
+
+
+def _cause(exc: Exception) -> str:
+    """The root of a requests error in a few words ("Connection refused", "[SSL: ...] wrong
+    version number"), not urllib3's nested repr."""
+    text = str(exc)
+    found = re.search(r"\[Errno -?\d+\] ([^'\")\]]+)", text) or re.search(r"(\[SSL: [A-Z_]+\][^'\")\]]*)", text)
+    return (found.group(1) if found else text.split("(Caused by")[0])[:200].strip()
 
 
 def _bounded(answer, what: str) -> bytes:

@@ -165,7 +165,7 @@ def test_push_to_a_stopped_registry_fails_clearly(pushed, registry, tmp_path):
     proc = run_build_cli("images/smoke", "--out", str(tmp_path / "out"), "--push", pushed["repository"])
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert f"error: push to {registry.address} failed: " in proc.stderr
-    assert "connection refused" in proc.stderr and "fix: nothing answers at" in proc.stderr
+    assert "connection refused" in proc.stderr.lower() and "fix: nothing answers at" in proc.stderr
     assert "Traceback" not in proc.stderr
     report = json.loads((tmp_path / "out" / "build-report.json").read_text())
     assert not report["pushed"]
