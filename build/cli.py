@@ -12,14 +12,13 @@ import sys
 from pathlib import Path
 
 from build import outdir
-from build.cache import CacheLayout, default_cache_root
+from build.cache import CacheLayout
+from build.cli_common import EXIT_BAD_SPEC, EXIT_BUILD_FAILED, EXIT_OK, EXIT_REFUSED, _cache, _common
 from build.errors import BuildFailure
 from build.kernels.portable import ImportRefused
 from build.signing import SigningError
 from contracts.events import EventLog
 from contracts.schema import InvalidInput
-
-EXIT_OK, EXIT_BUILD_FAILED, EXIT_BAD_SPEC, EXIT_REFUSED = 0, 1, 2, 3
 
 EPILOG = """\
 commands:
@@ -60,14 +59,6 @@ exit codes: 0 ok, 1 build failed, 2 invalid spec or arguments, 3 refused (kernel
 """
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json-logs", action="store_true", help="progress as JSON lines on stderr (one event schema)")
-    p.add_argument("--cache", type=Path, default=None, help="cache root (default: $FTIMAGE_CACHE or ~/.cache/ftimage)")
-    p.add_argument("--manifest", type=Path, default=None, help="kernels manifest (default: ./kernels_manifest.yaml)")
-    p.add_argument("--force", action="store_true", help="write into a non-empty folder this tool did not create "
-                   "(same-named files are overwritten; nothing else is deleted)")
-
-
 def _image_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m build", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
@@ -106,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] == "kernels":
             return _kernels(argv[1:])
         if argv and argv[0] == "bases":
-            return _bases(argv[1:])
+            from build.cli_bases import main as bases
+
+            return bases(argv[1:])
         if argv and argv[0] == "verify-image":
             return _verify_image(argv[1:])
         if argv and argv[0] == "verify-reproducible":
@@ -132,18 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing half-written was kept (cache entries publish atomically)", file=sys.stderr)
         return 130
-
-
-def _cache(path: Path | None, *, force: bool = False, write: bool = True) -> CacheLayout:
-    root = Path(path or default_cache_root())
-    if write:
-        outdir.claim(root, outdir.CACHE_MARKER, what="cache folder", option="--cache or FTIMAGE_CACHE", force=force)
-    elif root.exists() and not root.is_dir():
-        raise outdir.UnsafeDirectory(f"cache folder {root} is a file", "point FTIMAGE_CACHE at a folder")
-    cache = CacheLayout(root)
-    if write:
-        cache.sweep_scratch()
-    return cache
 
 
 def _image(argv: list[str]) -> int:
@@ -267,50 +248,6 @@ def _bootstrap_base(argv: list[str]) -> int:
     problems.raise_if_any(SpecErrors)
     result = bootstrap(base, connect(), _cache(args.cache, force=args.force), EventLog(json_lines=args.json_logs))
     print(json.dumps({"ref": result.ref, "id": result.id, "reused": result.reused}))
-    return EXIT_OK
-
-
-def _bases(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m build bases",
-                                description="The deb locks that pin bootstrapped bases by content.")
-    sub = p.add_subparsers(dest="command", required=True)
-    update = sub.add_parser("update", help="re-pin a base from its mirror's signed index (review the diff)")
-    update.add_argument("base_dir", type=Path, help="e.g. images/_bases/debian-bookworm")
-    export = sub.add_parser("export", help="copy every locked .deb into DIR, for a machine with no mirror")
-    export.add_argument("directory", type=Path)
-    imp = sub.add_parser("import", help="take the locked .debs from DIR into the cache, each re-hashed")
-    imp.add_argument("directory", type=Path)
-    for sp in (update, export, imp):
-        _common(sp)
-    args = p.parse_args(argv)
-    from build import debs_lock
-    from build.spec import REPO_ROOT, SpecErrors, load_bootstrap_base
-    from contracts.schema import Problems
-
-    log = EventLog(json_lines=args.json_logs)
-    if args.command == "update":
-        problems = Problems()
-        base = load_bootstrap_base(args.base_dir, problems)
-        problems.raise_if_any(SpecErrors)
-        old = debs_lock.load_lock(args.base_dir) if debs_lock.lock_path(args.base_dir).is_file() else None
-        lock = debs_lock.update_lock(base, log)
-        path = debs_lock.write_lock(args.base_dir, lock)
-        before = {d.package: d.version for d in old.debs} if old else {}
-        changed = [f"{d.package} {before.get(d.package, '(new)')} -> {d.version}" for d in lock.debs
-                   if before.get(d.package) != d.version]
-        print(f"wrote {path}: {len(lock.debs)} packages, {len(changed)} changed; review and commit it")
-        for line in changed[:200]:
-            print(f"  {line}")
-        return EXIT_OK
-    locks = [lock for base_dir in sorted((REPO_ROOT / "images" / "_bases").iterdir())
-             if (lock := debs_lock.load_lock(base_dir)) is not None]
-    cache = _cache(args.cache, force=args.force)
-    if args.command == "export":
-        count = debs_lock.export_debs(locks, cache, args.directory, log)
-        print(f"exported {count} .deb files of {len(locks)} base lock(s) to {args.directory}")
-    else:
-        count = debs_lock.import_debs(locks, cache, args.directory)
-        print(f"imported {count} .deb files, each matching its lock's sha256")
     return EXIT_OK
 
 

@@ -144,17 +144,18 @@ class Registry:
 
     def put_blob(self, path: str, data: bytes) -> str:
         digest = sha256_digest(data)
-        if self._send("HEAD", f"{self.base}/{path}/blobs/{digest}").status_code == 200:
-            return digest
+        if not self.has_blob(path, digest):
+            self._check(self._send("PUT", self._start_upload(path), params={"digest": digest}, data=data,
+                                   headers={"Content-Type": "application/octet-stream"}), "store a blob")
+        return digest
+
+    def _start_upload(self, path: str) -> str:
+        """A new upload session's URL (the registry may answer with a path)."""
         start = self._check(self._send("POST", f"{self.base}/{path}/blobs/uploads/"), "start an upload")
         location = start.headers.get("Location", "")
         if not location:
             raise RegistryError(f"{self.registry} started an upload without a Location", "use an OCI registry")
-        if location.startswith("/"):
-            location = self.base.rsplit("/v2", 1)[0] + location
-        self._check(self._send("PUT", location, params={"digest": digest}, data=data,
-                               headers={"Content-Type": "application/octet-stream"}), "store a blob")
-        return digest
+        return self.base.rsplit("/v2", 1)[0] + location if location.startswith("/") else location
 
     def has_blob(self, path: str, digest: str) -> bool:
         return self._send("HEAD", f"{self.base}/{path}/blobs/{digest}").status_code == 200
@@ -164,12 +165,7 @@ class Registry:
         had it already. The registry checks the digest against what it received."""
         if self.has_blob(path, digest):
             return False
-        start = self._check(self._send("POST", f"{self.base}/{path}/blobs/uploads/"), "start an upload")
-        location = start.headers.get("Location", "")
-        if not location:
-            raise RegistryError(f"{self.registry} started an upload without a Location", "use an OCI registry")
-        if location.startswith("/"):
-            location = self.base.rsplit("/v2", 1)[0] + location
+        location = self._start_upload(path)
         with open(file, "rb") as fh:
             self._check(self._send("PUT", location, params={"digest": digest}, data=fh, timeout=(TIMEOUT, 3600),
                                    headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)}),

@@ -43,6 +43,7 @@ class BuildResult:
     manifest_digest: str = ""
     diff_ids: list[str] = field(default_factory=list)
     lock_sha256: str = ""
+    base_rootfs: str = ""       # the runtime base's diffIDs, as the lock records them
     pushed_digest: str = ""
     layout: str = ""
     seconds: float = 0.0
@@ -75,6 +76,7 @@ def compare(a: BuildResult, b: BuildResult) -> Comparison:
     rows = [("image ID", a.image_id, b.image_id, a.image_id == b.image_id),
             ("manifest digest", a.manifest_digest, b.manifest_digest, a.manifest_digest == b.manifest_digest),
             ("lock sha256", a.lock_sha256, b.lock_sha256, a.lock_sha256 == b.lock_sha256),
+            ("base rootfs", a.base_rootfs, b.base_rootfs, a.base_rootfs == b.base_rootfs),
             ("layer count", str(len(a.diff_ids)), str(len(b.diff_ids)), len(a.diff_ids) == len(b.diff_ids))]
     for i, (da, db) in enumerate(zip(a.diff_ids, b.diff_ids)):
         rows.append((f"layer {i + 1} diffID", da, db, da == db))
@@ -187,6 +189,7 @@ def _build(clone: Path, image_rel: str, work: Path, label: str, *, umask: int, t
     return BuildResult(label=label, conditions=conditions, image_id=report["image_id"],
                        manifest_digest=report.get("manifest_digest", ""), diff_ids=report.get("diff_ids", []),
                        lock_sha256=hashlib.sha256(lock).hexdigest(), layout=report.get("layout", ""),
+                       base_rootfs=json.loads(lock).get("base_images", {}).get("runtime.rootfs", ""),
                        seconds=round(time.monotonic() - started, 1))
 
 

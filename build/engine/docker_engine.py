@@ -78,18 +78,12 @@ class DockerEngine:
         return image["Id"]
 
     def load_archive(self, archive: Path, ref: str) -> str:
-        def load():
+        def chunks():
             with archive.open("rb") as fh:
-                for item in self.client.api.load_image(fh):
-                    if isinstance(item, dict) and item.get("error"):
-                        raise BuildFailure(f"docker load of {archive.name} failed: {item['error']}",
-                                           "check the dockerd log")
+                while chunk := fh.read(1 << 20):
+                    yield chunk
 
-        self._call("load", load)
-        image = self.image(ref)
-        if image is None:
-            raise BuildFailure(f"docker load finished but {ref} is missing", "check the dockerd log")
-        return image["Id"]
+        return self.load_stream(chunks(), ref)
 
     def load_stream(self, chunks, ref: str) -> str:
         """`docker load` an archive given as an iterable of byte chunks (sent chunked, never

@@ -1,0 +1,52 @@
+"""`python -m build bases update|export|import`: the deb locks that pin bootstrapped bases."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from build.cli_common import EXIT_OK, _cache, _common
+from contracts.events import EventLog
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m build bases",
+                                description="The deb locks that pin bootstrapped bases by content.")
+    sub = p.add_subparsers(dest="command", required=True)
+    update = sub.add_parser("update", help="re-pin a base from its mirror's signed index (review the diff)")
+    update.add_argument("base_dir", type=Path, help="e.g. images/_bases/debian-bookworm")
+    export = sub.add_parser("export", help="copy every locked .deb into DIR, for a machine with no mirror")
+    export.add_argument("directory", type=Path)
+    imp = sub.add_parser("import", help="take the locked .debs from DIR into the cache, each re-hashed")
+    imp.add_argument("directory", type=Path)
+    for sp in (update, export, imp):
+        _common(sp)
+    args = p.parse_args(argv)
+    from build import debs_lock
+    from build.spec import REPO_ROOT, SpecErrors, load_bootstrap_base
+    from contracts.schema import Problems
+
+    log = EventLog(json_lines=args.json_logs)
+    if args.command == "update":
+        problems = Problems()
+        base = load_bootstrap_base(args.base_dir, problems)
+        problems.raise_if_any(SpecErrors)
+        old = debs_lock.load_lock(args.base_dir) if debs_lock.lock_path(args.base_dir).is_file() else None
+        lock = debs_lock.update_lock(base, log)
+        path = debs_lock.write_lock(args.base_dir, lock)
+        before = {d.package: d.version for d in old.debs} if old else {}
+        changed = [f"{d.package} {before.get(d.package, '(new)')} -> {d.version}" for d in lock.debs
+                   if before.get(d.package) != d.version]
+        print(f"wrote {path}: {len(lock.debs)} packages, {len(changed)} changed; review and commit it")
+        for line in changed[:200]:
+            print(f"  {line}")
+        return EXIT_OK
+    locks = [lock for base_dir in sorted((REPO_ROOT / "images" / "_bases").iterdir())
+             if (lock := debs_lock.load_lock(base_dir)) is not None]
+    cache = _cache(args.cache, force=args.force)
+    if args.command == "export":
+        count = debs_lock.export_debs(locks, cache, args.directory, log)
+        print(f"exported {count} .deb files of {len(locks)} base lock(s) to {args.directory}")
+    else:
+        count = debs_lock.import_debs(locks, cache, args.directory)
+        print(f"imported {count} .deb files, each matching its lock's sha256")
+    return EXIT_OK
