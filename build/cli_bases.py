@@ -30,7 +30,10 @@ def main(argv: list[str]) -> int:
         problems = Problems()
         base = load_bootstrap_base(args.base_dir, problems)
         problems.raise_if_any(SpecErrors)
-        old = debs_lock.load_lock(args.base_dir) if debs_lock.lock_path(args.base_dir).is_file() else None
+        try:
+            old = debs_lock.load_lock(args.base_dir)
+        except debs_lock.DebLockErrors:
+            old = None     # a damaged lock is what `update` replaces
         lock = debs_lock.update_lock(base, log)
         path = debs_lock.write_lock(args.base_dir, lock)
         before = {d.package: d.version for d in old.debs} if old else {}

@@ -201,7 +201,10 @@ def write_repository(lock: DebLock, debs: list[Path], root: Path) -> str:
     pool.mkdir(parents=True)
     stanzas = []
     for deb, path in zip(lock.debs, debs, strict=True):
-        os.link(path, pool / deb.basename) if _same_fs(path, pool) else shutil.copyfile(path, pool / deb.basename)
+        if _same_fs(path, pool):
+            os.link(path, pool / deb.basename)
+        else:
+            shutil.copyfile(path, pool / deb.basename)
         fields = {k: deb.fields[k] for k in INDEX_FIELDS if k in deb.fields}
         fields.update({"Filename": f"pool/{deb.basename}", "Size": str(deb.size), "SHA256": deb.sha256})
         stanzas.append("".join(f"{k}: {v}\n" for k, v in fields.items()))

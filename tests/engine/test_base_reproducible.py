@@ -38,3 +38,25 @@ def test_two_bootstraps_give_the_same_rootfs_as_the_loaded_base(engine, smoke_bu
     loaded = engine.image(base_tag(base))
     assert loaded["Config"]["Labels"][ROOTFS_LABEL] == first
     assert loaded["RootFS"]["Layers"] == [first]
+
+
+def test_bases_update_pins_from_the_signed_index_and_replaces_a_damaged_lock(tmp_path):
+    """`bases update` as a user runs it, on a copy of the runtime base whose lock was damaged:
+    it verifies the mirror's InRelease, pins every package debootstrap resolves, and says what changed."""
+    import json
+    import shutil
+
+    from build import debs_lock
+    from tests.conftest import run_build_cli
+
+    folder = tmp_path / "debian-bookworm"
+    folder.mkdir()
+    shutil.copy(REPO_ROOT / "images/_bases/debian-bookworm/base.yaml", folder / "base.yaml")
+    (folder / debs_lock.LOCK_NAME).write_text("{not json")
+    proc = run_build_cli("bases", "update", str(folder), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "review and commit it" in proc.stdout and "(new)" in proc.stdout
+    lock = debs_lock.load_lock(folder)       # loads: every field passed the lock's own checks
+    names = {d.package for d in lock.debs}
+    assert {"python3", "python3-venv", "ca-certificates", "libc6", "dpkg", "zlib1g"} <= names
+    assert len(json.loads(lock.to_json())["debs"]) == len(names) > 50   # the mirror may move; the shape may not
