@@ -13,7 +13,7 @@ from pathlib import Path
 
 from build import outdir
 from build.cache import CacheLayout
-from build.cli_common import EXIT_BAD_SPEC, EXIT_BUILD_FAILED, EXIT_OK, EXIT_REFUSED, _cache, _common
+from build.cli_common import EXIT_BAD_SPEC, EXIT_BUILD_FAILED, EXIT_OK, EXIT_REFUSED, add_common_options, open_cache
 from build.errors import BuildFailure
 from build.kernels.portable import ImportRefused
 from build.signing import SigningError
@@ -81,7 +81,7 @@ def _image_parser() -> argparse.ArgumentParser:
                         "classic builder, for an engine on another host")
     p.add_argument("--out", type=Path, default=None, help="output folder for context, lock, SBOM and report "
                    "(default: out/<name>)")
-    _common(p)
+    add_common_options(p)
     return p
 
 
@@ -149,7 +149,7 @@ def _image(argv: list[str]) -> int:
     if args.plan:
         from build.kernels import expected_costs
 
-        cache = _cache(args.cache, write=False)
+        cache = open_cache(args.cache, write=False)
         costs = expected_costs(plan, cache)
         if args.json:
             data = json.loads(plan.to_json())
@@ -168,7 +168,7 @@ def _image(argv: list[str]) -> int:
         return EXIT_OK
     if args.render:
         outdir.check_render_target(args.render, force=args.force)
-    cache = _cache(args.cache, force=args.force)
+    cache = open_cache(args.cache, force=args.force)
     if args.render:
         from build.context.render import render_context
         from build.wheelhouse import fill_wheelhouse
@@ -236,7 +236,7 @@ def _bootstrap_base(argv: list[str]) -> int:
                                 description="Build a base image locally with debootstrap and docker import "
                                             "(idempotent: a base with the same spec hash is reused).")
     p.add_argument("base_dir", type=Path, help="e.g. images/_bases/debian-bookworm")
-    _common(p)
+    add_common_options(p)
     args = p.parse_args(argv)
     from build.bootstrap import bootstrap
     from build.engine import connect
@@ -246,7 +246,7 @@ def _bootstrap_base(argv: list[str]) -> int:
     problems = Problems()
     base = load_bootstrap_base(args.base_dir, problems)
     problems.raise_if_any(SpecErrors)
-    result = bootstrap(base, connect(), _cache(args.cache, force=args.force), EventLog(json_lines=args.json_logs))
+    result = bootstrap(base, connect(), open_cache(args.cache, force=args.force), EventLog(json_lines=args.json_logs))
     print(json.dumps({"ref": result.ref, "id": result.id, "reused": result.reused}))
     return EXIT_OK
 
@@ -254,12 +254,12 @@ def _bootstrap_base(argv: list[str]) -> int:
 def _kernels_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m build kernels", description="Manage and build kernel wheels.")
     sub = p.add_subparsers(dest="action", required=True)
-    _common(sub.add_parser("list", help="list cache entries"))
+    add_common_options(sub.add_parser("list", help="list cache entries"))
     export = sub.add_parser("export", help="copy entries to DIR, with a manifest (signed with --sign)")
     export.add_argument("directory", type=Path)
     export.add_argument("--sign", type=Path, metavar="KEY", help="sign the export's manifest with this P-256 private "
                         "key (PEM; cosign's format)")
-    _common(export)
+    add_common_options(export)
     imp = sub.add_parser("import", help="import entries from DIR, proving each one (exit 3 if any is refused)")
     imp.add_argument("directory", type=Path)
     trust = imp.add_mutually_exclusive_group()
@@ -267,16 +267,16 @@ def _kernels_parser() -> argparse.ArgumentParser:
                        "must verify with it")
     trust.add_argument("--trust-unsigned", action="store_true", help="import without a signature (logged): each "
                        "entry is checked against itself only")
-    _common(imp)
+    add_common_options(imp)
     fetch = sub.add_parser("fetch", help="download an image's pinned kernel sources into the cache")
     fetch.add_argument("image_dir", type=Path)
-    _common(fetch)
+    add_common_options(fetch)
     check = sub.add_parser("check", help="run the import/ABI and entry-point checks of a kernel wheel inside an "
                                          "image (beside that image's torch)")
     check.add_argument("wheel", type=Path)
     check.add_argument("--image", required=True, help="image tag whose torch the wheel must load against")
     check.add_argument("--kernel", required=True, help="kernel name in the manifest (for its entry points)")
-    _common(check)
+    add_common_options(check)
     here = sub.add_parser("build-here", help="compile and check an image's kernels on this machine (no Docker)")
     here.add_argument("image_dir", type=Path)
     here.add_argument("--arch", action="append", default=[], help="target arch (default: this machine's GPU)")
@@ -284,7 +284,7 @@ def _kernels_parser() -> argparse.ArgumentParser:
     here.add_argument("--install", type=Path, help="also install the wheels into this --target folder")
     here.add_argument("--lock", type=Path, help="write a build lock for this machine to FILE")
     here.add_argument("--cores", type=int, default=None, help="compile jobs in all (default: every core)")
-    _common(here)
+    add_common_options(here)
     return p
 
 
@@ -303,12 +303,12 @@ def _kernels(argv: list[str]) -> int:
         from build.spec import MANIFEST_PATH
 
         plan = load_plan(args.image_dir, args.manifest or MANIFEST_PATH)
-        cache = _cache(args.cache, force=args.force)
+        cache = open_cache(args.cache, force=args.force)
         for kernel in plan.kernels:
             for source in kernel.sources:
                 print(fetch_pinned(source, cache, log))
         return EXIT_OK
-    store = KernelStore(_cache(args.cache, force=args.force, write=args.action != "list"))
+    store = KernelStore(open_cache(args.cache, force=args.force, write=args.action != "list"))
     if args.action == "list":
         for state in store.states():
             if state.entry is None:
@@ -365,7 +365,7 @@ def _build_here(args, log: EventLog) -> int:
     if not archs:
         raise BuildFailure("no GPU here to build for", "pass --arch sm_90 (or the arch you will run on)")
     summary = build_here(args.image_dir, manifest_path=args.manifest or MANIFEST_PATH,
-                         cache=_cache(args.cache, force=args.force), out=args.out, archs=archs, log=log,
+                         cache=open_cache(args.cache, force=args.force), out=args.out, archs=archs, log=log,
                          cores=args.cores, install=args.install, lock_path=args.lock, force=args.force)
     print(json.dumps(summary, indent=2, sort_keys=True))
     return EXIT_OK

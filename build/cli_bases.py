@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from build.cli_common import EXIT_OK, _cache, _common
+from build.cli_common import EXIT_OK, add_common_options, open_cache
 from contracts.events import EventLog
 
 
@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
     imp = sub.add_parser("import", help="take the locked .debs from DIR into the cache, each re-hashed")
     imp.add_argument("directory", type=Path)
     for sp in (update, export, imp):
-        _common(sp)
+        add_common_options(sp)
     args = p.parse_args(argv)
     from build import debs_lock
     from build.spec import REPO_ROOT, SpecErrors, load_bootstrap_base
@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
         return EXIT_OK
     locks = [lock for base_dir in sorted((REPO_ROOT / "images" / "_bases").iterdir())
              if (lock := debs_lock.load_lock(base_dir)) is not None]
-    cache = _cache(args.cache, force=args.force)
+    cache = open_cache(args.cache, force=args.force)
     if args.command == "export":
         count = debs_lock.export_debs(locks, cache, args.directory, log)
         print(f"exported {count} .deb files of {len(locks)} base lock(s) to {args.directory}")

@@ -10,7 +10,7 @@ from build.cache import CacheLayout, default_cache_root
 EXIT_OK, EXIT_BUILD_FAILED, EXIT_BAD_SPEC, EXIT_REFUSED = 0, 1, 2, 3
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def add_common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json-logs", action="store_true", help="progress as JSON lines on stderr (one event schema)")
     p.add_argument("--cache", type=Path, default=None, help="cache root (default: $FTIMAGE_CACHE or ~/.cache/ftimage)")
     p.add_argument("--manifest", type=Path, default=None, help="kernels manifest (default: ./kernels_manifest.yaml)")
@@ -18,7 +18,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "(same-named files are overwritten; nothing else is deleted)")
 
 
-def _cache(path: Path | None, *, force: bool = False, write: bool = True) -> CacheLayout:
+def open_cache(path: Path | None, *, force: bool = False, write: bool = True) -> CacheLayout:
     root = Path(path or default_cache_root())
     if write:
         outdir.claim(root, outdir.CACHE_MARKER, what="cache folder", option="--cache or FTIMAGE_CACHE", force=force)

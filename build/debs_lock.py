@@ -170,19 +170,26 @@ def ensure_debs(lock: DebLock, cache: CacheLayout, log) -> list[Path]:
     for deb in lock.debs:
         target = deb_path(cache, deb)
         if not target.is_file() or target.stat().st_size != deb.size:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".tmp-", delete=False) as tmp:
-                partial = Path(tmp.name)
-            try:
-                fetch(f"{lock.mirror.rstrip('/')}/{deb.filename}", partial, max_bytes=deb.size)
-                _check(partial, deb, source=f"{lock.mirror.rstrip('/')}/{deb.filename}")
-                partial.chmod(0o644)
-                os.replace(partial, target)
-            finally:
-                partial.unlink(missing_ok=True)
+            url = f"{lock.mirror.rstrip('/')}/{deb.filename}"
+            _store(deb, target, url, lambda partial, url=url, size=deb.size: fetch(url, partial, max_bytes=size))
             log.emit("bootstrap", f"fetched {deb.basename}")
         paths.append(target)
     return paths
+
+
+def _store(deb: LockedDeb, target: Path, source: str, fill) -> None:
+    """`fill(partial)` writes the .deb beside `target`; it is published only if its sha256 is the
+    lock's, so the cache never holds a file the lock does not pin."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".tmp-", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        fill(partial)
+        _check(partial, deb, source=source)
+        partial.chmod(0o644)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _check(path: Path, deb: LockedDeb, *, source: str) -> None:
@@ -336,17 +343,6 @@ def import_debs(locks: list[DebLock], cache: CacheLayout, directory: Path) -> in
             source = directory / deb.basename
             if not source.is_file():
                 continue
-            _check(source, deb, source=str(source))
-            target = deb_path(cache, deb)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".tmp-", delete=False) as tmp:
-                partial = Path(tmp.name)
-            try:
-                shutil.copyfile(source, partial)
-                _check(partial, deb, source=str(source))
-                partial.chmod(0o644)
-                os.replace(partial, target)
-            finally:
-                partial.unlink(missing_ok=True)
+            _store(deb, deb_path(cache, deb), str(source), lambda partial, src=source: shutil.copyfile(src, partial))
             imported += 1
     return imported

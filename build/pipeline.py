@@ -17,7 +17,7 @@ from build.debs import base_packages
 from build.diskspace import make_room
 from build.engine import Engine, connect
 from build.oci.runtime_image import assemble_runtime_image, lock_epoch
-from build.oci.venv import LockedWheel
+from build.oci.venv import LockedWheel, wheels_epoch
 from build.resolve import BuildPlan
 from build.wheelhouse import fill_wheelhouse
 from contracts import atomic
@@ -117,7 +117,8 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
                          for w in resolution.wheels]
         locked_wheels += [LockedWheel(k.filename, k.sha256, k.path) for k in provided.wheels]
         app_epoch = source_date_epoch()
-        sbom_epoch = lock_epoch(locked_wheels, engine.image(bases["runtime"].ref) or {}) \
+        wheels_time = wheels_epoch(locked_wheels) if builder == "oci" else 0
+        sbom_epoch = lock_epoch(wheels_time, engine.image(bases["runtime"].ref) or {}) \
             if builder == "oci" else app_epoch
         context = render_context(plan, out_dir / "context", wheels=resolution.wheels, cache=cache,
                                  kernel_wheels=provided.wheels,
@@ -136,7 +137,7 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
                                        free_layer_cache=lambda: prune_builder_stages(engine, plan, keep=0), log=log)
             assembly = assemble_runtime_image(plan, context, wheels=locked_wheels, runtime_base=bases["runtime"].ref,
                                               engine=engine, cache=cache, out_dir=out_dir, app_epoch=app_epoch,
-                                              labels=labels, log=log)
+                                              wheels_time=wheels_time, labels=labels, log=log)
             image = assembly.image
             report.image_id = image.image_id
             report.size_bytes = int((engine.image(image.image_id) or {}).get("Size", 0))

@@ -35,8 +35,6 @@ class Engine(Protocol):
     def remove(self, ref: str) -> bool:
         """Remove an image; False when it is not there or still in use (then it is kept)."""
 
-    def import_rootfs(self, tarball: Path, ref: str, changes: list[str]) -> str: ...
-
     def load_archive(self, archive: Path, ref: str) -> str:
         """`docker load` a docker-archive (build/image_archive.py); returns the image ID of `ref`."""
 

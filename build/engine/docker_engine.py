@@ -68,15 +68,6 @@ class DockerEngine:
             raise self._failure("remove", exc) from None
         return True
 
-    def import_rootfs(self, tarball: Path, ref: str, changes: list[str]) -> str:
-        repo, _, tag = ref.rpartition(":")
-        result = self._call("import", lambda: self.client.api.import_image(
-            src=str(tarball), repository=repo, tag=tag, changes=changes))
-        image = self.image(ref)
-        if image is None:
-            raise BuildFailure(f"docker import reported {result!r} but {ref} is missing", "check the dockerd log")
-        return image["Id"]
-
     def load_archive(self, archive: Path, ref: str) -> str:
         def chunks():
             with archive.open("rb") as fh:

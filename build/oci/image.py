@@ -7,7 +7,6 @@ layers and the declared settings alone.
 """
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import os
@@ -16,26 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from build.cache import link_or_copy
+from build.image_archive import rfc3339
 from build.oci.layercache import CachedLayer, LayerCache, layer_key
 from build.oci.tarlayer import DIR_MODE, EXEC_MODE, FILE_MODE, TreeEntry, parents, tree_entries, write_layer
+from build.registry import canonical, sha256_digest
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
 OCI_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 LAYOUT_DIR = "oci"
-
-
-def canonical(document) -> bytes:
-    return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def rfc3339(epoch: int) -> str:
-    return datetime.datetime.fromtimestamp(epoch, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def sha256_digest(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 @dataclass(frozen=True)

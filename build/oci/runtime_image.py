@@ -11,7 +11,7 @@ from build.oci.baselayer import TrainingUser, base_epoch, base_layers
 from build.oci.image import AssembledImage, RuntimeSettings, assemble, file_layer, tree_layer, write_layout
 from build.oci.layercache import LayerCache
 from build.oci.tarlayer import EXEC_MODE, FILE_MODE
-from build.oci.venv import LockedWheel, capped, venv_layer, wheels_epoch
+from build.oci.venv import LockedWheel, capped, venv_layer
 from build.resolve import BuildPlan
 from contracts.events import EventLog
 from contracts.lock import LOCK_PATH
@@ -27,10 +27,10 @@ class Assembly:
     states: dict[str, str]    # per layer: "hit" or "miss"
 
 
-def lock_epoch(wheels: list[LockedWheel], runtime_base: dict) -> int:
+def lock_epoch(wheels_time: int, runtime_base: dict) -> int:
     """The time of the lock layer and the SBOM: that of their inputs (the wheels and the base),
     never the commit's, so a new commit leaves the layer as it was."""
-    return capped(max(wheels_epoch(wheels), base_epoch({"created": runtime_base.get("Created", "")})))
+    return capped(max(wheels_time, base_epoch({"created": runtime_base.get("Created", "")})))
 
 
 def runtime_settings(plan: BuildPlan, base_env: list[str], labels: dict[str, str]) -> RuntimeSettings:
@@ -46,7 +46,8 @@ def runtime_settings(plan: BuildPlan, base_env: list[str], labels: dict[str, str
 
 def assemble_runtime_image(plan: BuildPlan, context: RenderedContext, *, wheels: list[LockedWheel],
                            runtime_base: str, engine, cache: CacheLayout, out_dir: Path, app_epoch: int,
-                           labels: dict[str, str], log: EventLog) -> Assembly:
+                           wheels_time: int, labels: dict[str, str], log: EventLog) -> Assembly:
+    """`wheels_time`: the newest entry time in the wheels (venv.wheels_epoch), read once by the caller."""
     layers_cache = LayerCache(cache.layers)
     layers_cache.sweep()
     base_info = engine.image(runtime_base) or {}
@@ -55,11 +56,11 @@ def assemble_runtime_image(plan: BuildPlan, context: RenderedContext, *, wheels:
         base = base_layers(engine, layers_cache, Path(scratch), runtime_base, user)
         venv = venv_layer(engine=engine, cache=layers_cache, scratch=Path(scratch), wheels=wheels, venv=VENV,
                           app_dir=APP_DIR, python_minor=plan.toolchain.python, base_ref=runtime_base,
-                          base_diff_ids=[layer.diff_id for layer in base], log=log)
+                          base_diff_ids=[layer.diff_id for layer in base], log=log, wheels_time=wheels_time)
     directory = context.directory
     lock = file_layer(layers_cache, "lock", {
         f"{str(LOCK_PATH.parent).lstrip('/')}/{name}": ((directory / name).read_bytes(), FILE_MODE)
-        for name in ("build.lock.json", "sbom.cdx.json")}, lock_epoch(wheels, base_info),
+        for name in ("build.lock.json", "sbom.cdx.json")}, lock_epoch(wheels_time, base_info),
         f"ftimage lock: {LOCK_PATH} and the SBOM")
     app = tree_layer(layers_cache, "app", directory / "app", APP_DIR, app_epoch, f"ftimage app: {APP_DIR} and {GATE}",
                      extra={GATE.lstrip("/"): ((directory / "ftimage-gate").read_bytes(), EXEC_MODE)})

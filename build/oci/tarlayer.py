@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import os
 import queue
 import stat
@@ -73,11 +74,10 @@ class _Digesting:
     def write(self, data) -> int:
         self.sha.update(data)
         self.size += len(data)
-        return self.sink.write(data) if self.sink is not None else len(data)
+        return self.sink.write(data)
 
     def flush(self) -> None:
-        if self.sink is not None:
-            self.sink.flush()
+        self.sink.flush()
 
 
 class _CompressingThread:
@@ -149,8 +149,6 @@ class LayerWriter:
             info.type, info.linkname = tarfile.LNKTYPE, entry.target
             self._tar.addfile(info)
         elif entry.data is not None:
-            import io
-
             info.size = len(entry.data)
             self._tar.addfile(info, io.BytesIO(entry.data))
         else:

@@ -81,8 +81,10 @@ def capped(epoch: int) -> int:
 
 
 def venv_layer(*, engine, cache: LayerCache, scratch: Path, wheels: list[LockedWheel], venv: str, app_dir: str,
-               python_minor: str, base_ref: str, base_diff_ids: list[str], log: EventLog) -> CachedLayer:
-    epoch = capped(wheels_epoch(wheels))
+               python_minor: str, base_ref: str, base_diff_ids: list[str], log: EventLog,
+               wheels_time: int | None = None) -> CachedLayer:
+    """`wheels_time`: wheels_epoch(wheels), when the caller has read it already."""
+    epoch = capped(wheels_epoch(wheels) if wheels_time is None else wheels_time)
     key = layer_key("venv", {
         "wheels": sorted([w.filename, w.sha256] for w in wheels), "venv": venv, "pth": app_dir,
         "python": python_minor, "base": base_diff_ids, "dropped": list(DROPPED_FILES), "mtime": epoch,

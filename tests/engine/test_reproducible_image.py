@@ -49,7 +49,7 @@ def test_two_fresh_clones_under_other_conditions_build_and_push_one_image(engine
 
 @pytest.fixture
 def restore_smoke(smoke_build, tmp_path):
-    """These tests retag (and prune) the smoke image; afterwards the tag is the session's
+    """These tests retag (and prune) the smoke image; afterwards the tag is this test run's
     assembled image again, for the other engine tests (warm: only the app layer is loaded)."""
     yield
     restored = run_build_cli("images/smoke", "--json", "--out", str(tmp_path / "restored"))

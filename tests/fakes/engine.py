@@ -41,13 +41,6 @@ class FakeEngine:
             del self.images[key]
         return bool(by_id)
 
-    def import_rootfs(self, tarball: Path, ref: str, changes: list[str]) -> str:
-        self.calls.append(("import", ref))
-        labels = dict(c.removeprefix("LABEL ").split("=", 1) for c in changes if c.startswith("LABEL "))
-        self.images[ref] = {"Id": "sha256:" + hashlib.sha256(ref.encode()).hexdigest(), "Size": 1,
-                            "Config": {"Labels": labels}, "RepoTags": [ref]}
-        return self.images[ref]["Id"]
-
     def load_archive(self, archive: Path, ref: str) -> str:
         import json
         import tarfile
