@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,12 +45,18 @@ def write_inputs(work: Path, *, rehearse: bool, budget: int, n_docs: int) -> Pat
     from families.runtime import build_model
     from tests.fixtures.chat import _WORDS, write_tokenizer
 
-    model_dir = work / "model"
+    flavour = "tiny" if rehearse else "bench"
+    # one folder per flavour, published by rename: a phase killed while saving leaves no model
+    # that a retry would take for whole, and a rehearsal's model never stands in for the real one
+    model_dir = work / f"model-{flavour}"
     if not (model_dir / "config.json").is_file():
-        write_tokenizer(model_dir, [" ".join(_WORDS)] * 64)
-        model = build_model(load_family("qwen3_5_text"), "tiny" if rehearse else "bench", attn_implementation="sdpa",
+        staging = work / f".model-{flavour}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        write_tokenizer(staging, [" ".join(_WORDS)] * 64)
+        model = build_model(load_family("qwen3_5_text"), flavour, attn_implementation="sdpa",
                             dtype=torch.float32 if rehearse else torch.bfloat16, seed=0)
-        model.save_pretrained(str(model_dir))
+        model.save_pretrained(str(staging))
+        staging.rename(model_dir)
     rng = np.random.default_rng(0)
     lengths = np.minimum(synthetic_ultrachat(n_docs, chars_per_token=4.0, sigma=0.55, seed=0), budget - 64)
     with (work / "data.jsonl").open("w") as fh:
@@ -69,6 +76,19 @@ def write_inputs(work: Path, *, rehearse: bool, budget: int, n_docs: int) -> Pat
     path = work / "finetune.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+RUNS = ("run-a", "run-b", "run-c")
+
+
+def clear_runs(work: Path) -> None:
+    """Remove the runs an earlier attempt left (the model and data are kept: they are the same inputs).
+
+    A retried phase must not see an old run's metrics: it would send SIGTERM before the new run
+    installs its handler, and resume from a checkpoint this attempt never wrote."""
+    for name in RUNS:
+        shutil.rmtree(work / name, ignore_errors=True)
+        (work / f"{name}.log").unlink(missing_ok=True)
 
 
 def finetune(config: Path, out: Path, *extra: str, env: dict, stop_at: int | None = None) -> dict:
@@ -128,6 +148,7 @@ def main(argv=None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     budget, docs, steps, stop_at, compare = (512, 200, 8, 4, 5) if args.rehearse else (8192, 600, 32, 16, 20)
     config = write_inputs(args.work, rehearse=args.rehearse, budget=budget, n_docs=docs)
+    clear_runs(args.work)
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
     override = ["--allow-fallback"] if args.rehearse else []   # on a GPU host verify must pass on its own
     result: dict = {"rehearsal": args.rehearse, "budget": budget, "steps": steps}

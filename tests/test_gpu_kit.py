@@ -92,3 +92,21 @@ def test_the_triton_payload_is_checked_before_use(tmp_path, monkeypatch):
     with pytest.raises(kit_triton.KitTritonError, match="does not match its sha256"):
         kit_triton.stage(kit, tmp_path / "other-site", sys.executable)
     assert not os.path.exists(tmp_path / "other-site")
+
+
+def test_a_retried_training_phase_starts_from_no_earlier_run(tmp_path):
+    # an earlier attempt's metrics would make the SIGTERM fire before the new run installs its
+    # handler (exit -15 instead of 143) and its checkpoints would be resumed as if this run wrote them
+    from bench.kit_finetune import RUNS, clear_runs, metrics
+
+    for name in RUNS:
+        (tmp_path / name / "checkpoints" / "step-00000007").mkdir(parents=True)
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 8, "loss": 1.0}) + "\n")
+        (tmp_path / f"{name}.log").write_text("old\n")
+    (tmp_path / "model-bench").mkdir()
+    (tmp_path / "model-bench" / "config.json").write_text("{}")
+    clear_runs(tmp_path)
+    for name in RUNS:
+        assert metrics(tmp_path / name) == [] and not (tmp_path / name).exists()
+        assert not (tmp_path / f"{name}.log").exists()
+    assert (tmp_path / "model-bench" / "config.json").is_file()      # the inputs are kept
