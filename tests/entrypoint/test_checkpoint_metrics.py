@@ -100,3 +100,35 @@ def test_a_short_write_on_a_full_volume_counts_as_a_full_disk(tmp_path, monkeypa
     monkeypatch.setattr("entrypoint.checkpoint.shutil.disk_usage", lambda _p: usage(1 << 40, 0, 1 << 40))
     assert not ran_out_of_space(short_write, tmp_path, needed_bytes=1 << 20)
     assert ran_out_of_space(OSError(28, "No space left on device"), tmp_path, needed_bytes=1 << 20)
+
+
+def test_the_background_checkpoint_write_yields_the_cpu_to_training(tmp_path, monkeypatch):
+    # an async save's write runs on DCP's thread at a lower priority, and only there: the thread
+    # that trains (here, the test's) keeps its own
+    import threading
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    from entrypoint.checkpoint import BACKGROUND_NICE, BackgroundWriter
+
+    seen = {}
+
+    def fake_write(self, plan, planner):
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        return "written"
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", fake_write)
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    writer = BackgroundWriter(str(tmp_path))
+    result = {}
+
+    def background():
+        result["first"] = (writer.write_data(None, None), seen["nice"])
+        result["again"] = (writer.write_data(None, None), seen["nice"])   # DCP may reuse its thread
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    want = min(19, before + BACKGROUND_NICE)
+    assert result["first"] == ("written", want) and result["again"] == ("written", want)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
