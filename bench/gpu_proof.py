@@ -46,7 +46,15 @@ KIT = REPO / ".kit"
 IMAGE = "images/qwen27b"
 ARCH = "sm_90"
 CARRY_LIMIT = 64 << 20
-CARRIED_WHEELS = ("pyelftools==0.32",)   # pure-Python wheels the GPU host lacks (installed --no-deps)
+# Pure-Python wheels the GPU host lacks, installed --no-deps into the kit's site folder: pyelftools
+# (build-here reads the compiled archs), and `datasets` with the two it needs that the host has not
+# (finetune reads its data through it), at the image's pins (images/qwen27b/image.yaml).
+CARRIED_WHEELS = ("pyelftools==0.32", "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19")
+HOST_PYTHON = "3.12"   # the GPU host's interpreter: wheels with a per-version tag are fetched for it
+# What the phases import, checked once the wheels are staged: a gap is one named error in seconds,
+# not a traceback from a phase minutes later
+RUNTIME_MODULES = ("torch", "transformers", "tokenizers", "safetensors", "yaml", "jinja2", "numpy", "packaging",
+                   "datasets", "elftools")
 LIMITS = {"stage": 60, "compile": 330, "refusal": 60, "verify": 200, "finetune": 300, "bench": 330}
 DEADLINE = 530
 
@@ -116,6 +124,14 @@ def stage(kit: Kit) -> bool:
                                  "--upgrade", *map(str, wheels)])
         if code:
             return False
+    missing = missing_modules(kit)
+    if missing:
+        error = "the kit's Python cannot import what the phases need: " + "; ".join(missing)
+        fix = ("add each missing package to CARRIED_WHEELS in bench/gpu_proof.py (or install it on this host), "
+               "run `python3 bench/gpu_proof.py --prepare` where PyPI is reachable, and carry .kit again")
+        kit.runner.record("stage", seconds=0.0, exit_code=2, error=error, fix=fix)
+        kit.runner.say(f"error: {error}\n  fix: {fix}")
+        return False
     if kit.rehearse:
         kit.runner.say("triton: not staged in a rehearsal (the CPU needs none)")
         return True
@@ -127,6 +143,22 @@ def stage(kit: Kit) -> bool:
         return False
     kit.runner.say(f"triton: {kit.triton_site} staged first on PYTHONPATH, ptxas {kit.extra_env['TRITON_PTXAS_PATH']}")
     return True
+
+
+def missing_modules(kit: Kit) -> list[str]:
+    """Each of RUNTIME_MODULES the kit's interpreter cannot import, with its error."""
+    probe = ("import importlib, json, sys\n"
+             "bad = []\n"
+             "for name in sys.argv[1:]:\n"
+             "    try: importlib.import_module(name)\n"
+             "    except Exception as exc: bad.append(f'{name} ({type(exc).__name__}: {exc})')\n"
+             "print(json.dumps(bad))")
+    try:
+        proc = subprocess.run([kit.python, "-c", probe, *RUNTIME_MODULES], capture_output=True, text=True,
+                              env=kit.env(), cwd=REPO, timeout=120)
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as exc:
+        return [f"the import probe itself failed ({type(exc).__name__}: {exc})"]
 
 
 def compile_or_reuse(kit: Kit) -> int:
@@ -266,12 +298,19 @@ def prepare() -> int:
                           cwd=REPO, env=env).returncode
     if code:
         return code
-    (KIT / "wheels").mkdir(parents=True, exist_ok=True)
-    for req in CARRIED_WHEELS:
-        code = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                               "--dest", str(KIT / "wheels"), req]).returncode
-        if code:
-            return code
+    # fetched afresh into a staging folder, then swapped in: one version of each, for the host's Python
+    staging = KIT / "wheels.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    code = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                           "--python-version", HOST_PYTHON, "--implementation", "cp", "--platform", "any",
+                           "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64",
+                           "--dest", str(staging), *CARRIED_WHEELS]).returncode
+    if code:
+        shutil.rmtree(staging, ignore_errors=True)
+        return code
+    shutil.rmtree(KIT / "wheels", ignore_errors=True)
+    staging.rename(KIT / "wheels")
     if not (KIT / "triton" / "manifest.json").is_file():
         prepare_triton(KIT)
     size, largest = carried_size()
@@ -313,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
             return True
 
         staged = stage(kit)
-        if wanted("compile") and staged:
-            if kit.rehearse:   # a CPU torch cannot link a CUDA extension; image builds run the same recipe
+        if wanted("compile"):
+            if not staged:
+                runner.skip("compile", "the stage phase failed (its error is in phases.json)")
+            elif kit.rehearse:   # a CPU torch cannot link a CUDA extension; image builds run the same recipe
                 runner.skip("compile", "no CUDA torch here (rehearsal)")
             else:
                 compile_or_reuse(kit)

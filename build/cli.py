@@ -14,9 +14,8 @@ from pathlib import Path
 from build import outdir
 from build.cache import CacheLayout
 from build.cli_common import EXIT_BAD_SPEC, EXIT_BUILD_FAILED, EXIT_OK, EXIT_REFUSED, add_common_options, open_cache
-from build.errors import BuildFailure
+from build.errors import BuildFailure, SigningError
 from build.kernels.portable import ImportRefused
-from build.signing import SigningError
 from contracts.events import EventLog
 from contracts.schema import InvalidInput
 

@@ -11,3 +11,13 @@ class BuildFailure(Exception):
     def render(self) -> str:
         text = f"error: {self}"
         return f"{text}\n    fix: {self.fix}" if self.fix else text
+
+
+class SigningError(Exception):
+    """A key that cannot be used (exit 2, with the fix). Here, not in signing.py, so the CLI can
+    catch it without importing `cryptography`, which a bare GPU host running `kernels build-here`
+    does not have."""
+
+    def __init__(self, message: str, fix: str):
+        super().__init__(message)
+        self.fix = fix

@@ -14,15 +14,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from build.errors import SigningError
+
 KEY_LIMIT = 64 * 1024
-
-
-class SigningError(Exception):
-    """A key that cannot be used (exit 2, with the fix)."""
-
-    def __init__(self, message: str, fix: str):
-        super().__init__(message)
-        self.fix = fix
 
 
 def _read(path: Path, what: str) -> bytes:

@@ -110,3 +110,56 @@ def test_a_retried_training_phase_starts_from_no_earlier_run(tmp_path):
         assert metrics(tmp_path / name) == [] and not (tmp_path / name).exists()
         assert not (tmp_path / f"{name}.log").exists()
     assert (tmp_path / "model-bench" / "config.json").is_file()      # the inputs are kept
+
+
+# What the GPU host's Python does not have and the kit does not carry (bench/gpu_proof.py
+# CARRIED_WHEELS carries pyelftools and datasets): the image-building side of the project needs
+# these, the kit's phases must not.
+NOT_ON_GPU_HOST = ("cryptography", "docker", "cyclonedx", "packageurl", "installer", "wandb", "mlflow")
+KIT_IMPORTS = """
+import importlib, importlib.abc, pkgutil, sys
+blocked = set(sys.argv[1].split(","))
+
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in blocked:
+            raise ModuleNotFoundError(f"No module named {name!r} (not on the GPU host)")
+        return None
+
+sys.meta_path.insert(0, Absent())
+failed = []
+names = ["build.cli", "build.kernels.host", "bench.gpu_proof", "bench.kit_finetune", "bench.gpu_bench"]
+for package in ("entrypoint", "verify", "families", "contracts"):
+    module = importlib.import_module(package)
+    names += [m.name for m in pkgutil.walk_packages(module.__path__, package + ".")
+              if not m.name.endswith("__main__")]     # running it would start the CLI
+for name in names:
+    try:
+        importlib.import_module(name)
+    except Exception as exc:
+        failed.append(f"{name}: {type(exc).__name__}: {exc}")
+print("\\n".join(failed))
+sys.exit(1 if failed else 0)
+"""
+
+
+def test_what_the_kit_runs_imports_nothing_the_gpu_host_lacks():
+    # a module-level `import cryptography` in the build CLI stopped `kernels build-here` (the
+    # kit's compile phase) on the GPU host before it compiled anything
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", KIT_IMPORTS, ",".join(NOT_ON_GPU_HOST)], cwd=repo,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+
+
+def test_the_kit_carries_datasets_at_the_images_pin():
+    # finetune reads its data through `datasets`, which the GPU host does not have
+    from bench.gpu_proof import CARRIED_WHEELS, RUNTIME_MODULES
+
+    spec = Path(__file__).resolve().parents[1] / "images" / "qwen27b" / "image.yaml"
+    pins = [line.split("#")[0].strip().lstrip("- ").strip() for line in spec.read_text().splitlines()]
+    assert "datasets" in RUNTIME_MODULES
+    assert next(p for p in pins if p.startswith("datasets==")) in CARRIED_WHEELS
