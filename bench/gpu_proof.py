@@ -9,7 +9,8 @@ verify, train with the image's own `finetune`, and benchmark fused vs fallback, 
 Phases, in priority order (what matters most runs first), each recorded in DIR/phases.json as it
 ends; a second run skips what passed and finishes the rest:
   stage     the carried pure-Python wheels and the trimmed Triton 3.7.1 (bench/kit_triton.py) into
-            the kit's site folder, first on PYTHONPATH
+            the kit's site folder, first on PYTHONPATH; then every module the phases import must
+            import (a gap is one named error with the fix)
   compile   `python -m build kernels build-here images/qwen27b --arch sm_90` (or, with compiled
             wheels carried in .kit/built from an earlier run's DIR/built, no compile at all)
   refusal   the specialised flash-attn and causal-conv1d refuse what they were not compiled for
