@@ -215,13 +215,17 @@ class BackgroundWriter(FileSystemWriter):
         super().__init__(path)
         # made on the training thread: the save runs BACKGROUND_NICE below it, however often
         # DCP reuses its background thread
-        self.nice = min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + BACKGROUND_NICE)
+        try:
+            self.nice = min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + BACKGROUND_NICE)
+        except OSError:
+            self.nice = None    # a seccomp profile refusing it: the save runs at the training priority
 
     def write_data(self, plan, planner):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
-        except OSError:
-            pass    # not Linux, or a seccomp profile refusing setpriority: the save still runs
+        if self.nice is not None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            except OSError:
+                pass    # refused: the save still runs, at the training thread's priority
         return super().write_data(plan, planner)
 
 

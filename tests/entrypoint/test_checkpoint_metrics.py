@@ -132,3 +132,18 @@ def test_the_background_checkpoint_write_yields_the_cpu_to_training(tmp_path, mo
     want = min(19, before + BACKGROUND_NICE)
     assert result["first"] == ("written", want) and result["again"] == ("written", want)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+def test_a_refused_priority_change_never_stops_the_save(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    from entrypoint.checkpoint import BackgroundWriter
+
+    def refuse(*_args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", lambda self, plan, planner: "written")
+    monkeypatch.setattr(os, "setpriority", refuse)
+    assert BackgroundWriter(str(tmp_path)).write_data(None, None) == "written"
+    monkeypatch.setattr(os, "getpriority", refuse)
+    assert BackgroundWriter(str(tmp_path)).write_data(None, None) == "written"
