@@ -30,9 +30,9 @@ def rss(field: str) -> int:
 def rank_epoch(manifest: str, rank: int, world: int, budget: int, out) -> None:
     import torch  # noqa: F401 - a training rank has torch loaded; count it in both runs alike
 
-    from entrypoint.batches import build_micro_batch
-    from entrypoint.corpus import read_corpus
-    from entrypoint.sampler import PackedSampler
+    from entrypoint.data.corpus import read_corpus
+    from entrypoint.data.micro_batches import build_micro_batch
+    from entrypoint.data.sampler import PackedSampler
 
     before = rss("RssAnon")
     corpus = read_corpus(Path(manifest))
@@ -49,7 +49,7 @@ def rank_epoch(manifest: str, rank: int, world: int, budget: int, out) -> None:
 
 def build(root: Path, docs: int, tokenizer) -> str:
     from contracts.finetune_config import build_config
-    from entrypoint.corpus_build import build as build_corpus
+    from entrypoint.data.corpus_build import build as build_corpus
 
     data = root / f"text-{docs}.jsonl"
     words = "the a model token data train loss step batch pack learn rate cat dog sun moon tree river".split()

@@ -5,7 +5,7 @@
 
 Worker processes train the same model (the family flavour, bf16, FSDP2 on one rank with full
 activation checkpointing, fused AdamW: the trainer's own parallelize and step code) on the same
-documents (a fixed ultrachat-shaped set, bench/packing.py's length model):
+documents (a fixed ultrachat-shaped set, bench/packing_efficiency.py's length model):
   fused          the installed kernels (fla, causal-conv1d, flash-attn varlen)
   fallback       fla and causal_conv1d made unimportable before transformers is imported, so it
                  resolves its torch references as in a broken image; attention stays flash-attn
@@ -47,8 +47,8 @@ def documents(n_docs: int, budget: int, vocab: int, seed: int):
     token trained (the loss pattern does not change the kernels' work)."""
     import numpy as np
 
-    from bench.packing import synthetic_ultrachat
-    from entrypoint.corpus import BadRows, Corpus
+    from bench.packing_efficiency import synthetic_ultrachat
+    from entrypoint.data.corpus import BadRows, Corpus
 
     lengths = np.minimum(synthetic_ultrachat(n_docs, chars_per_token=4.0, sigma=0.55, seed=seed), budget)
     rng = np.random.default_rng(seed)
@@ -62,8 +62,8 @@ def micro_batches(corpus, scheme: str, budget: int, seed: int):
     """Every micro-batch of the document set, as training builds them (one shuffled window)."""
     import numpy as np
 
-    from entrypoint.batches import build_micro_batch
-    from entrypoint.packing import pack_windows
+    from entrypoint.data.micro_batches import build_micro_batch
+    from entrypoint.data.packing import pack_windows
 
     order = np.random.default_rng(seed).permutation(len(corpus))
     bins = pack_windows(corpus.lengths, order, "bfd" if scheme == "packed" else "padded", budget, len(corpus),
@@ -98,9 +98,9 @@ def run_worker(args) -> dict:
         # transformers <= 5.16's reference: the forward-substitution loop, kept behind this switch
         modeling_qwen3_5.is_torchdynamo_exporting = lambda: True
 
-    from entrypoint import collectives
-    from entrypoint.metrics import device_peak_flops, flop_model
-    from entrypoint.parallelize import apply_activation_checkpointing, apply_fsdp, build_mesh
+    from entrypoint.distributed import collectives
+    from entrypoint.distributed.parallelize import apply_activation_checkpointing, apply_fsdp, build_mesh
+    from entrypoint.observability.flops import device_peak_flops, flop_model
     from entrypoint.step import run_step
     from families import DEFAULT_FAMILY, load_family
     from families.runtime import build_model
@@ -188,8 +188,8 @@ def batches_per_epoch(budget: int, seed: int) -> dict:
     """Batch counts for a whole ultrachat-shaped epoch (what packing saves, independent of speed)."""
     import numpy as np
 
-    from bench.packing import ULTRACHAT_TRAIN_SFT_ROWS, synthetic_ultrachat
-    from entrypoint.packing import pack_windows
+    from bench.packing_efficiency import ULTRACHAT_TRAIN_SFT_ROWS, synthetic_ultrachat
+    from entrypoint.data.packing import pack_windows
 
     lengths = np.minimum(synthetic_ultrachat(ULTRACHAT_TRAIN_SFT_ROWS, 4.0, 0.55, seed), budget)
     order = np.random.default_rng(seed).permutation(len(lengths))

@@ -4,7 +4,7 @@
 
 1. Writes the family's bench flavour (the real layer layout: gated-delta and full-attention
    layers, head_dim 256) as a bf16 HF checkpoint, a chat tokenizer, and ultrachat-shaped chat data
-   (bench/packing.py's length model) for 8192-token micro-batches.
+   (bench/packing_efficiency.py's length model) for 8192-token micro-batches.
 2. Run A: `python -m entrypoint finetune` with no override (verify must pass: the run report must
    show the fused kernels and flash_attention_2), packed, FSDP2 on one rank, full activation
    checkpointing, bf16; SIGTERM at step 16 of 32 (a checkpoint, exit 143), the same command again
@@ -40,7 +40,7 @@ def write_inputs(work: Path, *, rehearse: bool, budget: int, n_docs: int) -> Pat
     import torch
     import yaml
 
-    from bench.packing import synthetic_ultrachat
+    from bench.packing_efficiency import synthetic_ultrachat
     from families import load_family
     from families.runtime import build_model
     from tests.fixtures.chat import _WORDS, write_tokenizer

@@ -82,10 +82,9 @@ def _load_export_worker(rank: int, world: int, init: str, model_dir: str, out_di
     import torch.distributed as dist
 
     from contracts.finetune_config import build_config
-    from entrypoint.hf_checkpoint import export
-    from entrypoint.model import load_tokenizer
-    from entrypoint.parallelize import sharded_model
-    from entrypoint.summary import AnonPeak
+    from entrypoint.checkpoint.hf_safetensors import export
+    from entrypoint.model import load_tokenizer, sharded_model
+    from entrypoint.observability.run_summary import AnonPeak
 
     anon = AnonPeak()
 

@@ -29,8 +29,9 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from contracts.finetune_config import build_config
-    from entrypoint.corpus_build import load_corpus
-    from entrypoint.data import read_rows, tokenize_rows
+    from entrypoint.data.corpus_build import load_corpus
+    from entrypoint.data.rows import read_rows
+    from entrypoint.data.tokenize import tokenize_rows
     from tests.fixtures.chat import synthetic_conversations, write_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="bench-tokenize-") as tmp:

@@ -38,7 +38,7 @@ def _non_negative(name: str):
 
 
 # The keys that change what a checkpoint means (resume refuses a change to one of them unless
-# checkpoint.allow_changed lists it; see entrypoint/resume.py). `packing.*` and `data.*` stand for
+# checkpoint.allow_changed lists it; see entrypoint/checkpoint/resume.py). `packing.*` and `data.*` stand for
 # every key of those sections; `data.fingerprint` is the tokenized corpus's identity.
 RESUME_KEYS: dict[str, str] = {
     "train.lr": "the schedule's peak learning rate",
@@ -201,7 +201,7 @@ class CheckpointConfig:
     export_every: int = field(default=0, metadata=_non_negative("checkpoint.export_every"))  # also export HF
     #                                       safetensors every N steps, to output.dir/exports/step-N (0 = end only)
     allow_changed: list[str] = field(default_factory=list, metadata=rule(each=_resume_key))  # keys a resume may
-    #                                       change (see entrypoint/resume.py); applied and logged
+    #                                       change (see entrypoint/checkpoint/resume.py); applied and logged
 
 
 @dataclass(kw_only=True)

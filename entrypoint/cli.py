@@ -12,7 +12,7 @@ import os
 import shutil
 import sys
 
-from entrypoint.console import ALLOW_FALLBACK_ENV, err, log, truthy
+from entrypoint.observability.console import ALLOW_FALLBACK_ENV, err, log, truthy
 
 SUBCOMMANDS = ("finetune", "inspect-data", "verify", "gate", "info", "shell")
 EXIT_USAGE = 2
@@ -96,7 +96,7 @@ def gate(argv: list[str], *, run_verify=None) -> int:
         err("gate needs a command to run", "e.g. python -m entrypoint gate -- torchrun --nproc-per-node 8 train.py")
         return EXIT_USAGE
     if run_verify is None:
-        from entrypoint.gate import run_verify
+        from entrypoint.launcher.verify_gate import run_verify
     allow = args.allow_fallback or truthy(os.environ.get(ALLOW_FALLBACK_ENV))
     log(f"[gate] running verify before: {' '.join(command)}")
     outcome = run_verify(model=args.model, param_dtype=args.param_dtype)

@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from contracts.collate import IGNORE_INDEX
-from entrypoint import collectives
-from entrypoint.batches import MicroBatch, build_micro_batch
-from entrypoint.corpus import Corpus
+from entrypoint.data.corpus import Corpus
+from entrypoint.data.micro_batches import MicroBatch, build_micro_batch
+from entrypoint.data.packing import pack_windows
+from entrypoint.distributed import collectives
 from entrypoint.loss import loss_sum, to_device
-from entrypoint.packing import pack_windows
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The finetune and inspect-data commands: argument parsing and error reporting over
-entrypoint.finetune (the library), and torchrun called in-process."""
+entrypoint.launcher.preflight (the library), and torchrun called in-process."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from entrypoint.console import ALLOW_FALLBACK_ENV, err, log, truthy
+from entrypoint.observability.console import ALLOW_FALLBACK_ENV, err, log, truthy
 
 EXIT_USAGE = 2
 
@@ -49,9 +49,9 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 def export(argv: list[str]) -> int:
     """`finetune export --checkpoint step-N`: a kept checkpoint as HF safetensors, on its own."""
     from contracts.finetune_config import ConfigError
-    from entrypoint.export_run import prepare_export
-    from entrypoint.finetune import FinetuneError
-    from entrypoint.supervise import run_agent
+    from entrypoint.launcher.export_job import prepare_export
+    from entrypoint.launcher.preflight import FinetuneError
+    from entrypoint.launcher.supervise import run_agent
 
     p = argparse.ArgumentParser(prog="python -m entrypoint finetune export",
                                 description="export a kept checkpoint as HF safetensors to <output.dir>/exports/step-N")
@@ -73,8 +73,8 @@ def finetune(argv: list[str]) -> int:
         return export(argv[1:])
     from contracts.events import EventLog
     from contracts.finetune_config import ConfigError
-    from entrypoint.console import JSON_LOGS_ENV
-    from entrypoint.finetune import FinetuneError, prepare, print_config
+    from entrypoint.launcher.preflight import FinetuneError, prepare, print_config
+    from entrypoint.observability.console import JSON_LOGS_ENV
 
     args = finetune_parser().parse_intermixed_args(argv)   # KEY=VALUE before or after the flags
     flags = flag_overrides(args)
@@ -101,7 +101,7 @@ def finetune(argv: list[str]) -> int:
         print(json.dumps({"argv": launch.argv, "plan": str(launch.plan_path)}, indent=2))
         return 0
     say(f"[finetune] launching: {' '.join(launch.argv)}")
-    from entrypoint.supervise import run_agent
+    from entrypoint.launcher.supervise import run_agent
 
     return run_agent(launch.argv, launch.env, launch.plan.config.output.dir,
                      events=events if args.json_logs else None, log=say)
@@ -109,11 +109,11 @@ def finetune(argv: list[str]) -> int:
 
 def inspect_data(argv: list[str]) -> int:
     from contracts.finetune_config import ConfigError
-    from entrypoint.corpus_build import resolve_all
-    from entrypoint.data import DataError
-    from entrypoint.finetune import lock_layer, resolve_config
+    from entrypoint.data.corpus_build import resolve_all
+    from entrypoint.data.inspect_data import inspect
+    from entrypoint.data.sources import DataError
     from entrypoint.inputs import InputError, check_remote_code
-    from entrypoint.inspect_data import inspect
+    from entrypoint.launcher.preflight import lock_layer, resolve_config
     from entrypoint.model import ModelError, load_tokenizer
 
     p = argparse.ArgumentParser(prog="python -m entrypoint inspect-data",

@@ -1,4 +1,6 @@
-"""Load the tokenizer and the causal LM from a local HF directory (or a hub id)."""
+"""Load the tokenizer and the causal LM from a local HF directory (or a hub id), and build the
+training model: on the meta device, activation checkpointing and FSDP2 applied
+(distributed/parallelize.py), then each rank reads only its own shards (checkpoint/hf_safetensors.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,8 +16,8 @@ class ModelError(Exception):
 
 def resolve_attention(configured: str, lock_attn: str | None, device_type: str) -> str:
     """`auto`: what the image promises (its lock), on the device it was built for; sdpa
-    otherwise. flash_attention_2 is the only one that honours packed boundaries (DESIGN
-    part 1), which verify has checked before training starts."""
+    otherwise. flash_attention_2 is the only one that honours packed boundaries, which verify
+    has checked before training starts."""
     if configured != "auto":
         return configured
     if device_type == "cuda" and lock_attn:
@@ -100,3 +102,20 @@ def rebuild_buffers(model, device: torch.device) -> None:
             fresh = type(module)(module.config)
             for name, buffer in fresh.named_buffers(recurse=False):
                 getattr(module, name).data.copy_(buffer.to(device))
+
+
+def sharded_model(cfg, *, attn: str, device, world: int):
+    """(model, n_ac): built on the meta device, activation checkpointing, FSDP2 (or HSDP), then each
+    rank allocates and reads only its own shards from the HF safetensors."""
+    from entrypoint.checkpoint.hf_safetensors import load_sharded
+    from entrypoint.distributed.parallelize import apply_activation_checkpointing, apply_fsdp, build_mesh
+
+    p = cfg.parallel
+    model = build_on_meta(cfg.model.path, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
+    n_ac = apply_activation_checkpointing(model, p.activation_checkpoint, p.ac_every)
+    apply_fsdp(model, build_mesh(device.type, world, p.dp_replicate), param_dtype=p.param_dtype,
+               reduce_dtype=p.reduce_dtype, reshard_after_forward=p.reshard_after_forward)
+    model.to_empty(device=device)
+    load_sharded(model, cfg.model.path)
+    rebuild_buffers(model, device)
+    return model, n_ac

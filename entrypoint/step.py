@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from entrypoint import collectives
-from entrypoint.batches import MicroBatch
+from entrypoint.data.micro_batches import MicroBatch
+from entrypoint.distributed import collectives
 from entrypoint.loss import loss_sum, to_device
 
 # positions in the step's all-reduced counts

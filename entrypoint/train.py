@@ -18,20 +18,21 @@ import torch.distributed as dist
 
 from contracts import atomic
 from contracts.finetune_config import ConfigError
-from entrypoint import collectives
-from entrypoint.agent import LAUNCHER_PID_ENV
-from entrypoint.checkpoint import CheckpointError, DiskFull
-from entrypoint.console import Console
-from entrypoint.data import DataError
+from contracts.folder_guard import UnsafeFolder
+from contracts.parent_death import die_with_parent
+from entrypoint.checkpoint.dcp import CheckpointError, DiskFull
+from entrypoint.data.sampler import SamplerStateError
+from entrypoint.data.sources import DataError
+from entrypoint.distributed import collectives
+from entrypoint.launcher.agent import LAUNCHER_PID_ENV
+from entrypoint.launcher.run_plan import RunPlan
 from entrypoint.model import ModelError
-from entrypoint.plan import RunPlan
-from entrypoint.rundir import RunDirError
-from entrypoint.sampler import SamplerStateError
+from entrypoint.observability.console import Console
 from entrypoint.step import NonFiniteLoss
 from entrypoint.trainer import Trainer
 
 USER_ERRORS = (ConfigError, DataError, ModelError, SamplerStateError, CheckpointError, NonFiniteLoss,
-               RunDirError)  # carry a fix
+               UnsafeFolder)  # carry a fix
 ONCE_ERRORS = (DiskFull, NonFiniteLoss)
 
 
@@ -66,25 +67,17 @@ class StopRequest:
 
 def die_with_launcher() -> None:
     """If the launcher dies (even by SIGKILL), this worker gets SIGTERM: it checkpoints at the
-    next step boundary and exits, instead of living on as an orphan on the host."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    # The launcher may have died before the prctl took hold. Its PID tells (the torchrun agent's,
-    # which may itself be PID 1's child): "reparented" alone would stop every healthy run.
+    next step boundary and exits, instead of living on as an orphan on the host. The launcher may
+    have died before the request took hold; its PID (the torchrun agent's) tells."""
     launcher = os.environ.get(LAUNCHER_PID_ENV, "")
-    if launcher.isdigit() and os.getppid() != int(launcher):
-        os.kill(os.getpid(), signal.SIGTERM)
+    die_with_parent(signal.SIGTERM, expected_parent=int(launcher) if launcher.isdigit() else None)
 
 
 def run(plan: RunPlan, stop: StopRequest) -> dict:
     cfg = plan.config
     rank, world, device = collectives.init_distributed(cfg.launch.timeout_minutes)
     if plan.action == "export":
-        from entrypoint.export_run import run_export
+        from entrypoint.launcher.export_job import run_export
 
         result = run_export(plan, rank, world, device)
         collectives.barrier(device)
@@ -127,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - every failure is reported; user errors without a traceback
         user = isinstance(exc, USER_ERRORS)
         msg = str(exc) if user else f"{type(exc).__name__}: {exc}"
+        if user and getattr(exc, "fix", "") and "fix:" not in msg:   # errors that keep the fix beside the message
+            msg += f"\n  fix: {exc.fix}"
         # one ERROR line per run for what every rank hits alike (a full disk, a NaN loss)
         if rank == 0 or not isinstance(exc, ONCE_ERRORS):
             print(f"[finetune rank{rank}] ERROR: {msg}", file=sys.stderr, flush=True)

@@ -1,8 +1,8 @@
 """The training loop: one object that owns what a step needs, in build order.
 
 build: data (tokenized once by the launcher, before the ranks started) -> sampler -> model
-(rank 0 reads weights, the others build on meta) -> activation checkpointing -> FSDP2 ->
-weights broadcast -> AdamW + transformers' warmup/cosine-with-floor schedule ->
+(every rank builds it on meta, applies activation checkpointing and FSDP2, then reads only its
+own shards of the HF safetensors: model.sharded_model) -> AdamW + transformers' warmup/cosine-with-floor schedule ->
 checkpointer. Then resume (refusing what it would silently ignore, resume.py), fit (steps,
 logs, checkpoints; a stop request ends at the next step boundary with a checkpoint), finish
 (final checkpoint, HF export, the run's totals).
@@ -17,20 +17,20 @@ from pathlib import Path
 import torch
 
 from contracts.finetune_config import FinetuneConfig, parse_profile_steps
-from entrypoint.batches import MicroBatch, build_micro_batch
-from entrypoint.checkpoint import Checkpointer, CheckpointError, resume_candidates
-from entrypoint.console import Console
-from entrypoint.corpus import Corpus, read_corpus
+from entrypoint.checkpoint.dcp import Checkpointer, CheckpointError, resume_candidates
+from entrypoint.checkpoint.hf_safetensors import export as hf_export
+from entrypoint.data.corpus import Corpus, read_corpus
+from entrypoint.data.micro_batches import MicroBatch, build_micro_batch
+from entrypoint.data.sampler import PackedSampler
+from entrypoint.distributed.parallelize import DTYPES
 from entrypoint.evaluate import EvalState, Evaluator
-from entrypoint.hf_checkpoint import export as hf_export
-from entrypoint.metrics import FlopModel, IntervalMeter, device_peak_flops, flop_model
-from entrypoint.model import load_tokenizer, resolve_attention
-from entrypoint.parallelize import DTYPES, sharded_model
-from entrypoint.plan import RunPlan
-from entrypoint.profiling import StepProfiler
-from entrypoint.sampler import PackedSampler
+from entrypoint.launcher.run_plan import RunPlan
+from entrypoint.model import load_tokenizer, resolve_attention, sharded_model
+from entrypoint.observability.console import Console
+from entrypoint.observability.flops import FlopModel, IntervalMeter, device_peak_flops, flop_model
+from entrypoint.observability.profiling import StepProfiler
+from entrypoint.observability.run_summary import RunTotals
 from entrypoint.step import NonFiniteLoss, PendingStep, StepOutcome, read_interval, run_step
-from entrypoint.summary import RunTotals
 
 __all__ = ["NonFiniteLoss", "Trainer", "schedule"]
 
@@ -102,7 +102,7 @@ class Trainer:
 
     @classmethod
     def build(cls, cfg: FinetuneConfig, plan: RunPlan, rank: int, world: int, device: torch.device) -> Trainer:
-        from entrypoint.summary import AnonPeak
+        from entrypoint.observability.run_summary import AnonPeak
 
         anon = AnonPeak()   # from the start: the load's peak is the one that matters at size
         con = Console(rank)
@@ -174,7 +174,7 @@ class Trainer:
     def _apply(self, path: Path, state: dict) -> None:
         """Continue from a loaded checkpoint: its schedule and data position, unless the config
         changed a key the table lists and allow_changed applies it (the launcher refused the rest)."""
-        from entrypoint import resume as rs
+        from entrypoint.checkpoint import resume as rs
 
         step = int(state["step"])
         changed = rs.changes(state.get("run_config", {}), rs.run_config(self.cfg, self.plan.packing.requested),
@@ -205,7 +205,7 @@ class Trainer:
         self.step = self.last_saved = step
         self.resumed_from = str(path)
         if self.rank == 0:
-            from entrypoint.trackers import drop_records_after
+            from entrypoint.observability.trackers import drop_records_after
 
             dropped = drop_records_after(self.out / "metrics.jsonl", step)
             if dropped:
@@ -228,7 +228,7 @@ class Trainer:
 
     def fit(self) -> None:
         cfg = self.cfg
-        from entrypoint.trackers import Metrics, requested
+        from entrypoint.observability.trackers import Metrics, requested
 
         metrics = Metrics(self.out, enabled=self.rank == 0, trackers=requested(cfg.output),
                           run_name=self.out.name, config=cfg.to_dict())
@@ -294,7 +294,7 @@ class Trainer:
         if cfg.eval.samples:
             samples = self.evaluator.samples(self.model, self.tokenizer, cfg.eval.samples, cfg.eval.max_new_tokens)
             if self.rank == 0:
-                from entrypoint.rundir import open_append_nofollow
+                from contracts.folder_guard import open_append_nofollow
 
                 with open_append_nofollow(self.out / "samples.jsonl") as fh:
                     for sample in samples:
@@ -321,7 +321,7 @@ class Trainer:
                 **meter.summary(wall_s, self.world, self.totals.peak_flops)}
 
     def save(self, *, wait: bool = False) -> None:
-        from entrypoint.resume import run_config
+        from entrypoint.checkpoint.resume import run_config
 
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict(),
                  "data_fingerprint": self.corpus.fingerprint(),
@@ -334,7 +334,7 @@ class Trainer:
 
     def export(self, out_dir: Path) -> Path | None:
         """The model as HF safetensors every rank writes its part of (hf_checkpoint.export)."""
-        from entrypoint.rundir import real_dir
+        from contracts.folder_guard import real_dir
 
         if self.rank == 0:
             real_dir(out_dir.parent)

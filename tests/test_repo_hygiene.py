@@ -1,6 +1,8 @@
 """The tree keeps its shape: parts depend one way (build -> contracts <- verify <- entrypoint,
-families beside contracts), no module imports itself round a cycle, no module grows past 400
-lines, ruff passes, and plain `pytest` sees what `python -m pytest` sees."""
+families beside contracts), folders inside a part depend one way too, no module or folder imports
+itself round a cycle, no module grows past 400 lines, no folder past 15 modules, every folder's
+map (its README.md) names exactly its modules, no two modules share a name without sharing a job,
+ruff passes, and plain `pytest` sees what `python -m pytest` sees."""
 from __future__ import annotations
 
 import ast
@@ -74,6 +76,72 @@ def test_parts_depend_one_way():
     assert not bad, "\n".join(bad)
 
 
+# Inside entrypoint/: what each folder (and each low-level module at its top) may import of the
+# rest of entrypoint/, besides itself. The modules at its top not listed here (the CLI, the worker,
+# the trainer, step, loss, evaluate) sit above all of it.
+ENTRYPOINT_LAYERS = {
+    "observability": set(),
+    "distributed": set(),
+    "data": {"inputs"},
+    "checkpoint": {"distributed"},
+    "launcher": {"data", "checkpoint", "distributed", "observability", "model", "inputs", "info"},
+    "inputs": set(),
+    "info": set(),
+    "model": {"distributed", "checkpoint"},
+}
+
+
+def test_entrypoint_folders_depend_one_way():
+    bad = []
+    for name, targets in graph().items():
+        parts = name.split(".")
+        if parts[0] != "entrypoint" or len(parts) < 2 or parts[1] not in ENTRYPOINT_LAYERS:
+            continue
+        for target in targets:
+            tparts = target.split(".")
+            if tparts[0] != "entrypoint" or len(tparts) < 2:
+                continue
+            if tparts[1] != parts[1] and tparts[1] not in ENTRYPOINT_LAYERS[parts[1]]:
+                bad.append(f"{name} imports {target}")
+    assert not bad, "\n".join(bad)
+
+
+def folder_of(name: str) -> str:
+    """A module's room: its part's subfolder (`build.kernels`, `entrypoint.data`), or itself when it
+    sits at the top of its part (`entrypoint.trainer`)."""
+    parts = name.split(".")
+    if len(parts) >= 2 and (REPO / parts[0] / parts[1] / "__init__.py").is_file():
+        return ".".join(parts[:2])
+    return name
+
+
+def test_no_import_cycles_between_folders():
+    edges: dict[str, set[str]] = {}
+    for name, targets in graph().items():
+        here = folder_of(name)
+        edges.setdefault(here, set()).update(folder_of(t) for t in targets if folder_of(t) != here
+                                             and t.split(".")[0] == name.split(".")[0])
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+    assert not cycles, "\n".join(cycles)
+
+
 def test_no_import_cycles():
     edges = graph()
     # package __init__ modules re-export their submodules; an edge from a submodule back to its
@@ -104,6 +172,69 @@ def test_no_import_cycles():
 def test_no_module_over_400_lines():
     long = {str(p.relative_to(REPO)): n for p in modules().values() if (n := len(p.read_text().splitlines())) > 400}
     assert not long, long
+
+
+def package_folders() -> list[Path]:
+    return sorted(init.parent for part in PARTS for init in (REPO / part).rglob("__init__.py"))
+
+
+def test_no_folder_holds_more_than_15_modules():
+    crowded = {str(f.relative_to(REPO)): n for f in package_folders()
+               if (n := len([p for p in f.glob("*.py") if p.name != "__init__.py"])) > 15}
+    assert not crowded, crowded
+
+
+MAP_BULLET = re.compile(r"^- `([A-Za-z0-9_]+\.py|[A-Za-z0-9_]+/)`", re.M)
+
+
+def test_every_folder_map_names_exactly_its_modules():
+    """Each package folder's README.md has one `- `name.py`: ...` bullet per module (`__init__.py`
+    aside) and one `- `sub/`: ...` per subpackage: none missing, none that no longer exists."""
+    problems = []
+    for folder in package_folders():
+        rel = folder.relative_to(REPO)
+        readme = folder / "README.md"
+        if not readme.is_file():
+            problems.append(f"{rel}/: no README.md (its map)")
+            continue
+        named = MAP_BULLET.findall(readme.read_text())
+        have = {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
+        have |= {f"{d.name}/" for d in folder.iterdir() if (d / "__init__.py").is_file()}
+        if missing := sorted(have - set(named)):
+            problems.append(f"{rel}/README.md leaves out {', '.join(missing)}")
+        if stale := sorted(set(named) - have):
+            problems.append(f"{rel}/README.md names {', '.join(stale)}, which {rel}/ does not have")
+        if dupes := sorted({n for n in named if named.count(n) > 1}):
+            problems.append(f"{rel}/README.md names {', '.join(dupes)} twice")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_map_test_sees_a_stale_and_a_missing_module(tmp_path):
+    folder = tmp_path / "pkg"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    (folder / "kept.py").write_text("")
+    (folder / "new.py").write_text("")
+    (folder / "README.md").write_text("# pkg\n\n- `kept.py`: here\n- `gone.py`: moved away\n")
+    named = set(MAP_BULLET.findall((folder / "README.md").read_text()))
+    have = {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
+    assert have - named == {"new.py"} and named - have == {"gone.py"}
+
+
+# Modules that share a name because they share a job: each part's command line and `-m` entry.
+SAME_JOB_NAMES = {"__init__.py", "__main__.py", "cli.py"}
+
+
+def test_no_two_modules_share_a_name_without_sharing_a_job():
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.split()
+    by_name: dict[str, list[str]] = {}
+    for path in tracked:
+        if path.startswith("tests/") or not (REPO / path).is_file():
+            continue
+        by_name.setdefault(Path(path).name, []).append(path)
+    shared = {name: paths for name, paths in by_name.items() if len(paths) > 1 and name not in SAME_JOB_NAMES}
+    assert not shared, shared
 
 
 UPSTREAM_DOCS = {"RELEASE.md"}   # cited as sources, with their project: PyTorch's release matrix

@@ -188,7 +188,7 @@ def _render(run_cli, out: Path, kind: str):
 
 def test_k8s_example_pins_the_digest_and_hardens_the_pod(run_cli, pushed_out):
     from contracts.finetune_config import FinetuneConfig
-    from entrypoint.launch import resolve_topology
+    from entrypoint.launcher.torchrun import resolve_topology
 
     code, out, err = _render(run_cli, pushed_out, "k8s")
     assert code == 0, err

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.engine
 CHILD_CONTEXT = REPO_ROOT / "deploy" / "child-image"
 LOCK = "/etc/ftimage/build.lock.json"
 LOCK_LABEL = "io.ftimage.lock.sha256"
-TRAIN_MARK = "train.py: torch"
+TRAIN_MARK = "team_trainer.py: torch"
 # The child's ENV gates every pass-through command; inspecting the image should not cost a
 # verify run per command, and the variable is a default a run may override.
 UNGATED = {"FTIMAGE_REQUIRE_VERIFY": "0"}
@@ -66,8 +66,9 @@ def test_child_runs_as_the_base_non_root_user_with_its_entrypoint(client, smoke_
 
 def test_trainer_is_root_owned_and_not_writable_by_the_job(client, child_image):
     code, out = run(client, child_image,
-                    ["sh", "-c", "stat -c %u:%g /opt/app/train.py; test -w /opt/app/train.py && echo writable "
-                                 "|| echo read-only"], environment=UNGATED)
+                    ["sh", "-c", "stat -c %u:%g /opt/app/team_trainer.py; "
+                                 "test -w /opt/app/team_trainer.py && echo writable || echo read-only"],
+                    environment=UNGATED)
     assert code == 0 and out.split() == ["0:0", "read-only"], out
 
 
@@ -80,13 +81,14 @@ def test_child_carries_the_base_lock_and_its_label(client, smoke_image, child_im
 
 
 def test_trainer_goes_through_the_gate_and_is_refused_on_a_failing_node(client, child_image):
-    code, out = run(client, child_image, ["python", "/opt/app/train.py"])
+    code, out = run(client, child_image, ["python", "/opt/app/team_trainer.py"])
     assert code == 3, out[-3000:]
     assert "RESULT: FAIL" in out and TRAIN_MARK not in out, out[-3000:]
 
 
 def test_override_runs_the_trainer_on_the_record(client, child_image):
-    code, out = run(client, child_image, ["python", "/opt/app/train.py"], environment={"FTIMAGE_ALLOW_FALLBACK": "1"})
+    code, out = run(client, child_image, ["python", "/opt/app/team_trainer.py"],
+                    environment={"FTIMAGE_ALLOW_FALLBACK": "1"})
     assert code == 0, out[-3000:]
     assert "override given (FTIMAGE_ALLOW_FALLBACK=1)" in out
     assert f"{TRAIN_MARK} 2.13.0+cpu" in out and "uid 10001" in out, out[-3000:]

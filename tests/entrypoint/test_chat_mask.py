@@ -1,7 +1,7 @@
 """The assistant-only mask, token for token against transformers' own mask on a generation-tagged
 version of the same template, over adversarial conversations (Hypothesis).
 
-Rule used on both sides (entrypoint/chat_mask.py): a token is trained on when its first
+Rule used on both sides (entrypoint/data/chat_mask.py): a token is trained on when its first
 character lies inside an assistant span; a reply's span is its content plus the end-of-turn
 token that closes it. The reference spans come from transformers' `{% generation %}` tracking
 (the spans apply_chat_template(..., return_assistant_tokens_mask=True) masks).
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from entrypoint.chat_mask import Unmaskable, render, render_tagged, render_with_spans
-from entrypoint.data import label_tokens
+from entrypoint.data.chat_mask import Unmaskable, render, render_tagged, render_with_spans
+from entrypoint.data.tokenize import label_tokens
 from tests.fixtures.chat import CHAT_TEMPLATE, IM_END
 
 pytestmark = pytest.mark.unit
@@ -142,7 +142,7 @@ def test_a_template_that_drops_or_rewrites_a_message_is_its_own_bad_row(tokenize
 
 
 def test_tokenize_rows_counts_each_unmaskable_reason(tokenizer):
-    from entrypoint.data import tokenize_rows
+    from entrypoint.data.tokenize import tokenize_rows
 
     with_template(tokenizer, CHAT_TEMPLATE)
     rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},

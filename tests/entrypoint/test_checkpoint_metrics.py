@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from entrypoint.checkpoint import MARKER, TRAINER_STATE, is_complete, list_checkpoints
+from entrypoint.checkpoint.dcp import MARKER, TRAINER_STATE, is_complete, list_checkpoints
 
 pytestmark = pytest.mark.unit
 
@@ -53,7 +53,7 @@ def test_symlinks_and_unmarked_folders_are_never_checkpoints(tmp_path):
 def test_flops_count_attention_per_document(fixture_dir):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from entrypoint.metrics import flop_model
+    from entrypoint.observability.flops import flop_model
 
     config = AutoConfig.from_pretrained(str(fixture_dir.model_dir))
     model = AutoModelForCausalLM.from_config(config)
@@ -91,13 +91,13 @@ def test_a_short_write_on_a_full_volume_counts_as_a_full_disk(tmp_path, monkeypa
     # torch's zip writer reports a full disk as a position mismatch, not ENOSPC
     from collections import namedtuple
 
-    from entrypoint.checkpoint import ran_out_of_space
+    from entrypoint.checkpoint.dcp import ran_out_of_space
 
     short_write = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr("entrypoint.checkpoint.shutil.disk_usage", lambda _p: usage(3 << 20, 3 << 20, 4096))
+    monkeypatch.setattr("entrypoint.checkpoint.dcp.shutil.disk_usage", lambda _p: usage(3 << 20, 3 << 20, 4096))
     assert ran_out_of_space(short_write, tmp_path, needed_bytes=1 << 20)
-    monkeypatch.setattr("entrypoint.checkpoint.shutil.disk_usage", lambda _p: usage(1 << 40, 0, 1 << 40))
+    monkeypatch.setattr("entrypoint.checkpoint.dcp.shutil.disk_usage", lambda _p: usage(1 << 40, 0, 1 << 40))
     assert not ran_out_of_space(short_write, tmp_path, needed_bytes=1 << 20)
     assert ran_out_of_space(OSError(28, "No space left on device"), tmp_path, needed_bytes=1 << 20)
 
@@ -109,7 +109,7 @@ def test_the_background_checkpoint_write_yields_the_cpu_to_training(tmp_path, mo
 
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    from entrypoint.checkpoint import BACKGROUND_NICE, BackgroundWriter
+    from entrypoint.checkpoint.dcp import BACKGROUND_NICE, BackgroundWriter
 
     seen = {}
 
@@ -137,7 +137,7 @@ def test_the_background_checkpoint_write_yields_the_cpu_to_training(tmp_path, mo
 def test_a_refused_priority_change_never_stops_the_save(tmp_path, monkeypatch):
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    from entrypoint.checkpoint import BackgroundWriter
+    from entrypoint.checkpoint.dcp import BackgroundWriter
 
     def refuse(*_args):
         raise PermissionError(1, "Operation not permitted")

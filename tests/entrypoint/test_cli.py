@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from contracts.finetune_config import ConfigError, FinetuneConfig, build_config
-from entrypoint.launch import LaunchError, resolve_topology
+from entrypoint.launcher.torchrun import LaunchError, resolve_topology
 from tests.fixtures.chat import entrypoint_env, run_entrypoint
 
 pytestmark = pytest.mark.unit
@@ -67,7 +67,7 @@ def test_info_without_lock_fails_with_fix():
 
 
 def test_lock_defaults_seed_the_config_below_yaml_and_overrides(tmp_path, monkeypatch):
-    from entrypoint.finetune import lock_layer, resolve_config
+    from entrypoint.launcher.preflight import lock_layer, resolve_config
 
     _, path = _lock(tmp_path)
     monkeypatch.setenv("FTIMAGE_LOCK", str(path))
@@ -142,7 +142,7 @@ def _cfg(**launch) -> FinetuneConfig:
 
 
 def test_more_ranks_than_visible_gpus_is_refused_with_the_fix(monkeypatch):
-    from entrypoint import launch
+    from entrypoint.launcher import torchrun as launch
 
     monkeypatch.setattr(launch, "device_count", lambda: 1)
     with pytest.raises(LaunchError) as info:
@@ -184,7 +184,7 @@ def test_jit_caches_live_in_private_scratch_never_under_output_dir(tmp_path):
     import os
     import stat
 
-    from entrypoint.launch import cache_env
+    from entrypoint.launcher.torchrun import cache_env
 
     cfg = _cfg(nproc_per_node=1)
     cfg.output.dir = str(tmp_path / "out")
@@ -226,8 +226,8 @@ def test_verify_is_passed_through():
 
 
 def test_packing_decision_under_the_gate():
-    from entrypoint.finetune import decide_packing
-    from entrypoint.gate import GateOutcome
+    from entrypoint.launcher.preflight import decide_packing
+    from entrypoint.launcher.verify_gate import GateOutcome
 
     ok = GateOutcome(passed=True, worst="PASS", table="")
     bad = GateOutcome(passed=False, worst="FAIL", table="")
@@ -241,7 +241,7 @@ def test_packing_decision_under_the_gate():
 def test_gate_reports_a_verify_crash_as_failure(monkeypatch):
     import sys
 
-    from entrypoint import gate
+    from entrypoint.launcher import verify_gate as gate
 
     monkeypatch.setattr(gate, "verify_argv", lambda **_: [sys.executable, "-c", "raise SystemExit('kaboom')"])
     outcome = gate.run_verify()
@@ -253,7 +253,7 @@ def test_the_gate_runs_verify_in_a_child_process(monkeypatch, tmp_path):
     held for the whole run, so the launcher never imports the checks itself."""
     import sys
 
-    from entrypoint.gate import run_verify
+    from entrypoint.launcher.verify_gate import run_verify
     from tests.fixtures.locks import environment_lock
 
     lock = tmp_path / "lock.json"
@@ -270,7 +270,7 @@ def test_the_gate_runs_verify_in_a_child_process(monkeypatch, tmp_path):
 def test_nodes_probing_one_shared_output_dir_do_not_trip_each_other(tmp_path):
     import threading
 
-    from entrypoint.finetune import FinetuneError, check_writable
+    from entrypoint.launcher.preflight import FinetuneError, check_writable
 
     out = tmp_path / "shared"
     errors: list[Exception] = []

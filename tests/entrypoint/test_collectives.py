@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from entrypoint import collectives
-from entrypoint.batches import build_micro_batch
-from entrypoint.data import BadRows, Corpus
+from entrypoint.data.micro_batches import build_micro_batch
+from entrypoint.data.tokenize import BadRows, Corpus
+from entrypoint.distributed import collectives
 from entrypoint.step import NonFiniteLoss, read_interval, run_step
 
 pytestmark = pytest.mark.unit

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from contracts.collate import IGNORE_INDEX as IGNORE
-from entrypoint.data import DataError, read_rows, tokenize_rows, validate_row
+from entrypoint.data.rows import read_rows
+from entrypoint.data.sources import DataError
+from entrypoint.data.tokenize import tokenize_rows, validate_row
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from contracts.finetune_config import build_config
-from entrypoint.inspect_data import runs
+from entrypoint.data.inspect_data import runs
 from tests.fixtures.chat import run_entrypoint
 
 pytestmark = pytest.mark.unit
@@ -29,7 +29,7 @@ def _trained(tokenizer, corpus) -> list[list[str]]:
 
 
 def _load(tmp_path, tokenizer, **data):
-    from entrypoint.corpus_build import load_corpus
+    from entrypoint.data.corpus_build import load_corpus
 
     return load_corpus(_cfg(**data), tokenizer, cache_dir=tmp_path / "cache")
 
@@ -95,7 +95,8 @@ def test_reasoning_is_trained_where_the_template_renders_it_and_counted_where_it
                         {"role": "assistant", "content": "river", "reasoning_content": "second thought"}]}
     path = tmp_path / "r.jsonl"
     path.write_text(json.dumps(row) + "\n")
-    from entrypoint.data import read_rows, tokenize_rows
+    from entrypoint.data.rows import read_rows
+    from entrypoint.data.tokenize import tokenize_rows
 
     corpus = tokenize_rows(read_rows(str(path)), tokenizer)
     assert corpus.bad.skipped == 0 and corpus.bad.reasoning_dropped == 1   # the first turn's, before a user turn
@@ -191,8 +192,8 @@ def test_the_corpus_is_memory_mapped_not_copied(tokenizer, tmp_path):
 # ---- mixtures and held-out data ------------------------------------------------------------------
 
 def test_a_10000_document_mixture_gives_each_source_its_share(tokenizer, tmp_path):
-    from entrypoint.corpus import read_corpus
-    from entrypoint.corpus_build import build
+    from entrypoint.data.corpus import read_corpus
+    from entrypoint.data.corpus_build import build
 
     sizes, weights = (6000, 3000, 1000), (1.0, 1.0, 2.0)
     sources = []
@@ -214,8 +215,8 @@ def test_a_10000_document_mixture_gives_each_source_its_share(tokenizer, tmp_pat
 
 
 def test_eval_fraction_holds_out_whole_documents_deterministically(tokenizer, tmp_path):
-    from entrypoint.corpus import read_corpus
-    from entrypoint.corpus_build import build
+    from entrypoint.data.corpus import read_corpus
+    from entrypoint.data.corpus_build import build
 
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"text": f"{WORDS[i % 8]} number {i}"}) + "\n" for i in range(200)))

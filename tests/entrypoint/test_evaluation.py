@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from entrypoint.checkpoint import list_checkpoints
-from entrypoint.finetune import prepare
-from entrypoint.gate import GateOutcome
+from entrypoint.checkpoint.dcp import list_checkpoints
+from entrypoint.launcher.preflight import prepare
+from entrypoint.launcher.verify_gate import GateOutcome
 from tests.fixtures.chat import entrypoint_env, run_entrypoint
 
 

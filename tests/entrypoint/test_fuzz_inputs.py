@@ -66,7 +66,7 @@ def _set(tree: dict, dotted: str, value) -> None:
        as_override=st.booleans())
 def test_fuzz_finetune_configs(workspace, monkeypatch, edits, as_override):
     from contracts.finetune_config import ConfigError
-    from entrypoint.finetune import FinetuneError, prepare
+    from entrypoint.launcher.preflight import FinetuneError, prepare
 
     ws = workspace / "ws"
     monkeypatch.chdir(ws)
@@ -119,7 +119,8 @@ RAW_LINE = st.one_of(ROW.map(lambda r: json.dumps(r, allow_nan=True).encode()),
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lines=st.lists(RAW_LINE, min_size=1, max_size=8))
 def test_fuzz_data_rows(workspace, tokenizer, lines):
-    from entrypoint.data import read_rows, tokenize_rows
+    from entrypoint.data.rows import read_rows
+    from entrypoint.data.tokenize import tokenize_rows
 
     path = workspace / "ws" / "fuzz.jsonl"
     body = b"".join(line.replace(b"\n", b" ") + b"\n" for line in lines)

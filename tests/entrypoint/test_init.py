@@ -53,6 +53,6 @@ def test_pid1_forwards_stop_signals_to_a_command_that_would_ignore_them(sig, cod
 
 
 def test_outside_pid1_the_command_runs_in_this_process():
-    from entrypoint import init
+    from entrypoint import pid1 as init
 
     assert init.run(lambda argv: len(argv), ["a", "b"]) == 2

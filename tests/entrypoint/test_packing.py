@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contracts.collate import IGNORE_INDEX as IGNORE
-from entrypoint.data import BadRows, Corpus
-from entrypoint.packing import batch_area, lower_bound, pack_bfd, pack_greedy, pack_padded, pack_windows
-from entrypoint.sampler import PackedSampler, SamplerStateError
+from entrypoint.data.packing import batch_area, lower_bound, pack_bfd, pack_greedy, pack_padded, pack_windows
+from entrypoint.data.sampler import PackedSampler, SamplerStateError
+from entrypoint.data.tokenize import BadRows, Corpus
 
 pytestmark = pytest.mark.unit
 
@@ -67,7 +67,7 @@ def _corpus(lengths, seed=0) -> Corpus:
 
 
 def test_packed_micro_batch_field_by_field():
-    from entrypoint.batches import build_micro_batch
+    from entrypoint.data.micro_batches import build_micro_batch
 
     corpus = _corpus([5, 3, 7, 2])
     bins = pack_bfd(corpus.lengths, 16)
@@ -100,7 +100,7 @@ def test_packed_micro_batch_field_by_field():
 
 
 def test_padded_micro_batch_field_by_field():
-    from entrypoint.batches import build_micro_batch
+    from entrypoint.data.micro_batches import build_micro_batch
 
     corpus = _corpus([5, 3])
     mb = build_micro_batch(corpus, [1, 0], packed=False, budget=16, pad_token_id=0)

@@ -25,7 +25,7 @@ def _model(fixture_dir):
 def test_bf16_compute_with_fp32_decay_params(fixture_dir, process_group, ac):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from entrypoint.parallelize import apply_activation_checkpointing, apply_fsdp
+    from entrypoint.distributed.parallelize import apply_activation_checkpointing, apply_fsdp
 
     model = _model(fixture_dir)
     wrapped = apply_activation_checkpointing(model, ac, every=2)
@@ -57,8 +57,8 @@ def test_bf16_compute_with_fp32_decay_params(fixture_dir, process_group, ac):
 def test_checkpoint_round_trip_restores_model_and_optimizer(fixture_dir, process_group, tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from entrypoint.checkpoint import Checkpointer, list_checkpoints
-    from entrypoint.parallelize import apply_fsdp
+    from entrypoint.checkpoint.dcp import Checkpointer, list_checkpoints
+    from entrypoint.distributed.parallelize import apply_fsdp
 
     def build():
         m = _model(fixture_dir)

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from contracts.finetune_config import ConfigError, build_config
-from entrypoint.finetune import FinetuneError, prepare
-from entrypoint.gate import GateOutcome
+from entrypoint.launcher.preflight import FinetuneError, prepare
+from entrypoint.launcher.verify_gate import GateOutcome
 from tests.fixtures.chat import entrypoint_env
 
 pytestmark = pytest.mark.unit

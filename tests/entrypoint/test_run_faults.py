@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from entrypoint.checkpoint import list_checkpoints
+from entrypoint.checkpoint.dcp import list_checkpoints
 from tests.fixtures.chat import (
     REPO,
     entrypoint_env,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from entrypoint.checkpoint import list_checkpoints
+from entrypoint.checkpoint.dcp import list_checkpoints
 from tests.fixtures.chat import (
     entrypoint_env,
     finetune_metrics,

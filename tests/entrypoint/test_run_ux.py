@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from entrypoint.gate import GateOutcome
+from entrypoint.launcher.verify_gate import GateOutcome
 from tests.fixtures.chat import entrypoint_env, run_entrypoint
 
 
@@ -161,7 +161,7 @@ GOOD = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "ass
 ])
 def test_hostile_rows_are_counted_not_fatal(tokenizer, tmp_path, bad, reason):
     from contracts.finetune_config import DataConfig
-    from entrypoint.corpus_build import load_corpus
+    from entrypoint.data.corpus_build import load_corpus
 
     path = _rows(tmp_path, (GOOD + "\n").encode() + bad + b"\n" + (GOOD + "\n").encode())
     corpus = load_corpus(DataConfig(path=str(path), max_length=256, max_row_bytes=4096), tokenizer)
@@ -171,8 +171,8 @@ def test_hostile_rows_are_counted_not_fatal(tokenizer, tmp_path, bad, reason):
 @pytest.mark.parametrize("raw", [b"", b"\x00\x01\x02\x03binary" * 10, b"\n\n\n"], ids=["empty", "binary", "blank"])
 def test_file_with_no_usable_rows_is_one_clear_error(tokenizer, tmp_path, raw):
     from contracts.finetune_config import DataConfig
-    from entrypoint.corpus_build import load_corpus
-    from entrypoint.data import DataError
+    from entrypoint.data.corpus_build import load_corpus
+    from entrypoint.data.sources import DataError
 
     with pytest.raises(DataError) as info:
         load_corpus(DataConfig(path=str(_rows(tmp_path, raw)), max_length=256), tokenizer)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from entrypoint.checkpoint import is_complete, list_checkpoints
+from entrypoint.checkpoint.dcp import is_complete, list_checkpoints
 from tests.fixtures.chat import REPO, entrypoint_env, run_entrypoint
 
 pytestmark = pytest.mark.training
@@ -52,7 +52,7 @@ def _grads_worker(rank: int, world: int, init: str, sync_every: bool, out: str) 
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from entrypoint.parallelize import build_mesh
+    from entrypoint.distributed.parallelize import build_mesh
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -185,7 +185,7 @@ def test_a_broken_source_checkpoint_is_one_error_before_any_rank(fixture_dir, tm
 
 
 def _kill_tree(pid: int) -> None:
-    from entrypoint.supervise import descendants
+    from entrypoint.launcher.supervise import descendants
 
     for p in [pid, *descendants(pid)]:
         try:

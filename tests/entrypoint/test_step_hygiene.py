@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from entrypoint.finetune import prepare
-from entrypoint.gate import GateOutcome
+from entrypoint.launcher.preflight import prepare
+from entrypoint.launcher.verify_gate import GateOutcome
 from tests.fixtures.chat import entrypoint_env
 
 pytestmark = pytest.mark.unit

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from entrypoint.checkpoint import MARKER, is_complete, list_checkpoints
-from entrypoint.finetune import prepare
-from entrypoint.gate import GateOutcome
-from entrypoint.launch import free_port
+from entrypoint.checkpoint.dcp import MARKER, is_complete, list_checkpoints
+from entrypoint.launcher.preflight import prepare
+from entrypoint.launcher.torchrun import free_port
+from entrypoint.launcher.verify_gate import GateOutcome
 from tests.fixtures.chat import entrypoint_env, run_entrypoint
 
 pytestmark = pytest.mark.training

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from entrypoint.checkpoint import TRAINER_STATE, Checkpointer, CheckpointError, files_manifest, list_checkpoints
-from entrypoint.rundir import RunDirError
+from contracts.folder_guard import UnsafeFolder
+from entrypoint.checkpoint.dcp import TRAINER_STATE, Checkpointer, CheckpointError, files_manifest, list_checkpoints
 
 pytestmark = pytest.mark.unit
 
@@ -90,7 +90,7 @@ def test_a_payload_in_dcp_metadata_is_refused(group, tmp_path):
 def test_a_payload_in_a_dcp_bytes_entry_is_refused(group, tmp_path):
     """Non-tensor entries (the optimizer's hyper-parameters) are stored as torch.save bytes; DCP's
     own planner loads them with weights_only=False."""
-    from entrypoint.dcp_safe import MetadataUnpickler
+    from entrypoint.checkpoint.safe_load import MetadataUnpickler
 
     ckpt, step_dir = _saved(tmp_path)
     marker = tmp_path / "pwned-bytes"
@@ -118,7 +118,7 @@ def test_a_checkpoints_symlink_to_another_run_is_neither_resumed_nor_written_nor
     assert list_checkpoints(mine / "checkpoints") == []
     ckpt = Checkpointer(mine / "checkpoints", keep=1, rank=0, world_size=1)
     model, optimizer = _model_and_optimizer()
-    with pytest.raises(RunDirError, match="is a symlink"):
+    with pytest.raises(UnsafeFolder, match="is a symlink"):
         ckpt.save(9, model, optimizer, {"step": 9})
     assert sorted(p.name for p in step_dir.parent.iterdir()) == theirs
     assert ckpt.clean_stale() == []
@@ -144,7 +144,7 @@ def test_prune_deletes_only_marked_real_step_folders(group, tmp_path):
 
 
 def test_metrics_are_never_appended_through_a_symlink(tmp_path):
-    from entrypoint.trackers import Metrics
+    from entrypoint.observability.trackers import Metrics
 
     target = tmp_path / "victim.log"
     target.write_text("theirs\n")
@@ -152,6 +152,6 @@ def test_metrics_are_never_appended_through_a_symlink(tmp_path):
     out.mkdir()
     os.symlink(target, out / "metrics.jsonl")
     writer = Metrics(out, enabled=True)
-    with pytest.raises(RunDirError, match="is a symlink"):
+    with pytest.raises(UnsafeFolder, match="is a symlink"):
         writer.write({"step": 1, "loss": 1.0})
     assert target.read_text() == "theirs\n"

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from entrypoint.rundir import RunDirError, ephemeral_warning, resolve_output_dir
+from contracts.folder_guard import UnsafeFolder
+from entrypoint.launcher.output_dir import ephemeral_warning, resolve_output_dir
 from tests.fixtures.chat import run_entrypoint
 
 pytestmark = pytest.mark.unit
@@ -71,7 +72,7 @@ def test_the_tokenizer_gets_trust_remote_code_explicitly(monkeypatch, fixture_di
     ("/lib64/x", "system path"),
 ])
 def test_output_dir_outside_a_job_folder_is_refused(path, why):
-    with pytest.raises(RunDirError, match=why.replace("'", ".")):
+    with pytest.raises(UnsafeFolder, match=why.replace("'", ".")):
         resolve_output_dir(path)
 
 
@@ -80,7 +81,7 @@ def test_output_dir_is_resolved_once_through_symlinks_the_user_chose(tmp_path):
     os.symlink(tmp_path / "real", tmp_path / "link")
     assert resolve_output_dir(str(tmp_path / "link" / "run1")) == tmp_path / "real" / "run1"
     os.symlink("/etc", tmp_path / "sneaky")
-    with pytest.raises(RunDirError, match="system path"):
+    with pytest.raises(UnsafeFolder, match="system path"):
         resolve_output_dir(str(tmp_path / "sneaky"))
 
 

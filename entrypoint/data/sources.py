@@ -1,0 +1,123 @@
+"""Where rows come from: a data source (data.path, or one entry of data.sources) resolved to its
+files, offline. Reading them is rows.py's job.
+
+data.path may be a file (.jsonl, .json, .parquet, .arrow), a folder of them, a glob, a
+`save_to_disk` folder, or a local dataset folder read as one split (`data.split`: ultrachat_200k's
+`data/train_sft-00000-of-00003.parquet` shards are the `train_sft` split). Everything is refused
+with the field and the fix before any rank starts: nothing there, mixed formats, a split the
+dataset does not have, something that is not a regular file.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from entrypoint.inputs import InputError, check_data_path
+
+SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+FORMATS = ("auto", "jsonl", "json", "parquet", "arrow", "disk")
+DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+_SPLIT_FILE = re.compile(r"^(?P<split>[A-Za-z0-9_.-]+?)(?:-\d{5}-of-\d{5})?\.[a-z]+$")
+
+
+class DataError(Exception):
+    """The data source as a whole is unusable (missing file, unreadable format)."""
+
+    def __init__(self, message: str, fix: str, field: str = "data.path"):
+        super().__init__(f"{message}\n  fix: {fix}")
+        self.fix = fix
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Source:
+    """One resolved source: its files (or a save_to_disk folder) and how to read its rows."""
+
+    field: str                 # the config field it came from, for messages ("data.path", "data.sources[1].path")
+    path: str
+    format: str                # json | parquet | arrow | disk
+    files: tuple[str, ...]     # the data files (for disk: the folder)
+    split: str = ""
+
+    def identity(self) -> str:
+        """A content key: every file's size and sha256 (so a rerun hits the cache and any edit misses)."""
+        h = hashlib.sha256(json.dumps([self.format, self.split]).encode())
+        paths = self.files if self.format != "disk" else sorted(
+            str(p) for p in Path(self.files[0]).rglob("*") if p.is_file())
+        for path in paths:
+            h.update(path.encode())
+            with open(path, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(block)
+        return h.hexdigest()
+
+
+def _kind_of(path: str, declared: str) -> str:
+    if declared in ("jsonl", "json"):
+        return "json"
+    if declared in ("parquet", "arrow"):
+        return declared
+    kind = SUFFIXES.get(Path(path).suffix.lower())
+    if kind is None:
+        raise DataError(f"cannot tell the format of {path} from its name",
+                        "name data files .jsonl/.json/.parquet/.arrow, or set data.format")
+    return kind
+
+
+def _split_of(name: str) -> str:
+    m = _SPLIT_FILE.match(name)
+    return m.group("split") if m else ""
+
+
+def resolve(path: str, fmt: str = "auto", split: str = "", field: str = "data.path") -> Source:
+    """Resolve a source's files (DataError / InputError with the field and a fix)."""
+    if not path:
+        raise DataError(f"{field} is not set", "set it to a data file, folder or glob", field)
+    has_glob = any(c in path for c in "*?[")
+    if has_glob:
+        files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        if not files:
+            raise DataError(f"{field} {path} matches no file", "check the pattern (quote it in a shell)", field)
+    elif not os.path.exists(path):
+        raise DataError(f"data file {path} does not exist", "mount the data and set data.path (a file, a folder "
+                        "of .jsonl/.json/.parquet/.arrow files, a glob, or a save_to_disk folder)", field)
+    else:
+        check_data_path(path, field)
+        if os.path.isfile(path):
+            if fmt == "disk":
+                raise DataError(f"{field} {path} is a file, data.format=disk needs a save_to_disk folder",
+                                "point it at the folder, or set data.format=auto", field)
+            return Source(field, path, _kind_of(path, fmt), (path,), split)
+        if fmt == "disk" or any((Path(path) / m).is_file() for m in DISK_MARKERS):
+            return Source(field, path, "disk", (path,), split)
+        files = sorted(str(p) for p in Path(path).rglob("*")
+                       if p.is_file() and (p.suffix.lower() in SUFFIXES or fmt not in ("auto", "disk"))
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise DataError(f"{field} {path} is a folder with no .jsonl/.json/.parquet/.arrow file",
+                            "point it at the folder that holds the data files, or at one file", field)
+    for f in files:
+        check_data_path(f, field)
+    if split:
+        named = [f for f in files if _split_of(Path(f).name) == split]
+        if not named:
+            have = sorted({_split_of(Path(f).name) for f in files} - {""})
+            raise DataError(f"data.split {split!r}: {path} has no such split" + (f" (it has: {', '.join(have)})"
+                                                                                   if have else
+                                                                                   " (its files name no split)"),
+                            f"set data.split to one of the dataset's splits{': ' + have[0] if have else ''}, or "
+                            "leave it empty to read every file", "data.split")
+        files = named
+    kinds = {_kind_of(f, fmt) for f in files}
+    if len(kinds) > 1:
+        raise DataError(f"{field} {path} mixes formats ({', '.join(sorted(kinds))}) in one source",
+                        "keep one format per source; list the others as separate data.sources entries", field)
+    return Source(field, path, kinds.pop(), tuple(files), split)
+
+
+__all__ = ["DataError", "FORMATS", "InputError", "Source", "resolve"]

@@ -1,0 +1,1 @@
+"""The map of this folder is its README.md."""

@@ -1,0 +1,151 @@
+"""The launcher's side of a run: start the torchrun agent in its own session, turn stop signals
+into checkpoints, and (with --json-logs) make every line of output a JSON event.
+
+Stop signals. Ctrl-C (SIGINT) and SIGTERM (`docker stop`, a preempted pod) reach the launcher;
+the agent and its workers live in other sessions, so a terminal never signals them directly.
+  * the first one is passed to each worker, which checkpoints at the next step boundary, writes
+    run_report.json with `interrupted: true` and exits 128 + N (130 for SIGINT, 143 for SIGTERM);
+    torchrun keeps waiting for them, however long the checkpoint takes;
+  * a second SIGINT stops everything at once, and says that nothing more was saved.
+
+One JSON stream. torchrun, gloo/NCCL and the workers write to their file descriptors directly.
+With --json-logs the agent's stdout and stderr are pipes read here: a line that already is one
+of the project's events passes through, anything else is wrapped into an event (phase
+`worker`), so every line on stderr parses as JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from contracts.events import EventLog
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = children(p)
+        out += kids
+        todo += kids
+    return out
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def is_event(line: str) -> bool:
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and "phase" in data and "msg" in data
+
+
+def _pump(stream, events: EventLog, phase: str) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", "replace").rstrip("\n")
+        if not line.strip():
+            continue
+        if is_event(line):
+            events.stream.write(line + "\n")
+            events.stream.flush()
+        else:
+            events.emit(phase, line)
+
+
+class Supervisor:
+    def __init__(self, argv: list[str], env: dict, *, output_dir: str, events: EventLog | None, log):
+        self.argv = argv
+        self.env = env
+        self.output_dir = output_dir
+        self.events = events           # set: --json-logs (pipes, wrapped); None: inherit the terminal
+        self.log = log
+        self.stops: list[int] = []
+        self.proc: subprocess.Popen | None = None
+        self.killed = False            # stopped at once by a second Ctrl-C
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.stops.append(signum)
+
+    def run(self) -> int:
+        pipes = subprocess.PIPE if self.events is not None else None
+        previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        try:
+            self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True, stdout=pipes, stderr=pipes)
+            pumps = []
+            if self.events is not None:
+                pumps = [threading.Thread(target=_pump, args=(s, self.events, "worker"), daemon=True)
+                         for s in (self.proc.stdout, self.proc.stderr)]
+                for pump in pumps:
+                    pump.start()
+            handled = 0
+            while True:
+                try:
+                    code = self.proc.wait(timeout=0.2)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                while handled < len(self.stops):
+                    self._stop(self.stops[handled], first=handled == 0)
+                    handled += 1
+            for pump in pumps:
+                pump.join(timeout=10)
+            return 128 + signal.SIGINT if self.killed else code
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _stop(self, signum: int, *, first: bool) -> None:
+        name = signal.Signals(signum).name
+        workers = children(self.proc.pid)
+        if first:
+            self.log(f"[finetune] stop requested ({name}): the workers checkpoint at the next step boundary and exit"
+                     + ("; Ctrl-C again stops at once, saving nothing more" if signum == signal.SIGINT else ""))
+            _signal(workers, signum)
+            return
+        if signum != signal.SIGINT:
+            return   # a repeated SIGTERM changes nothing: the checkpoint is on its way
+        everything = [self.proc.pid, *descendants(self.proc.pid)]
+        _signal(everything, signal.SIGKILL)
+        self.killed = True
+        self.log("[finetune] stopped at once by a second Ctrl-C: nothing more was saved; rerun the same command to "
+                 f"resume from the newest checkpoint in {self.output_dir}/checkpoints")
+
+
+def run_agent(torchrun_argv: list[str], env: dict, output_dir: str, *, events: EventLog | None, log) -> int:
+    """Start `python -m entrypoint.launcher.agent` for this torchrun command line and supervise it."""
+    start = torchrun_argv.index("torch.distributed.run") + 1
+    flags = ["-I"] if sys.flags.isolated else []
+    argv = [sys.executable, *flags, "-m", "entrypoint.launcher.agent", output_dir, *torchrun_argv[start:]]
+    started = time.monotonic()
+    code = Supervisor(argv, env, output_dir=output_dir, events=events, log=log).run()
+    if code < 0:
+        code = 128 - code
+    if events is not None:
+        events.emit("finetune", f"run ended with exit code {code}", elapsed=time.monotonic() - started,
+                    exit_code=code)
+    return code
