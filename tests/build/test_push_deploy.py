@@ -13,7 +13,7 @@ import yaml
 
 from build.errors import BuildFailure
 from build.pipeline import BuildReport
-from build.push import PushTarget, push_image
+from build.publish.push import PushTarget, push_image
 from build.resolve import load_plan
 from build.spec import MANIFEST_PATH, REPO_ROOT
 from contracts.events import EventLog
