@@ -1,6 +1,6 @@
 """`python -m build ...` from the repo root runs this package (see README: the repo is a workspace)."""
 import sys
 
-from build.cli import main
+from build.cli.main import main
 
 sys.exit(main())

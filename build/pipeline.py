@@ -10,12 +10,12 @@ from typing import Any
 
 from build import kernels as kernel_stage
 from build import outdir
-from build.bootstrap import ensure_base
+from build.base.bootstrap import ensure_base
+from build.base.dpkg_status import base_packages
 from build.cache import CacheLayout
 from build.context.render import render_context, source_date_epoch
-from build.debs import base_packages
-from build.diskspace import make_room
 from build.engine import Engine, connect
+from build.engine.diskspace import make_room
 from build.oci.runtime_image import assemble_runtime_image, lock_epoch
 from build.oci.venv import LockedWheel, wheels_epoch
 from build.resolve import BuildPlan
@@ -186,7 +186,7 @@ def base_identities(engine: Engine, plan: BuildPlan, bases: dict) -> dict[str, s
     """What the lock records of each base: the image ID (the canonical config's digest for a
     bootstrapped base), its layers' diffIDs (the root filesystem itself) and the digest of the
     deb lock it was bootstrapped from."""
-    from build import debs_lock
+    from build.base import debs_lock
 
     found: dict[str, str] = {}
     for stage, ref in (("builder", plan.spec.builder_base), ("runtime", plan.spec.runtime_base)):

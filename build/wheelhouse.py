@@ -2,8 +2,10 @@
 
 The full closure (requirements + the toolchain's exact torch wheel) is resolved with
 `pip download` for the image's Python and platform, every file is hashed and stored under
-its sha256, and the resolution itself is cached. Inside the image pip then installs with
-`--no-index --require-hashes` from exactly these files, with networking disabled.
+its sha256, and the resolution itself is cached. The image's venv is installed from exactly
+these files, each checked against the lock's sha256: by `installer` in the assembler
+(build/oci/venv.py), or by pip with `--no-index --require-hashes` and networking disabled in
+the classic builder's Dockerfile. Kernel builder images install their build closure from it too.
 """
 from __future__ import annotations
 

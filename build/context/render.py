@@ -19,14 +19,14 @@ from pathlib import Path
 from packaging.utils import parse_wheel_filename
 
 from build import outdir
+from build.base.dpkg_status import DebPackage
 from build.cache import CacheLayout, link_or_copy, sha256_file
 from build.context.lockfile import make_lock
 from build.context.sbom import render_sbom
-from build.debs import DebPackage
+from build.context.templating import render_template
 from build.kernels.wheel import KernelWheel
 from build.resolve import BuildPlan
 from build.spec import REPO_ROOT
-from build.templating import render_template
 from build.wheelhouse import Wheel, requirements_lock
 from contracts.lock import LOCK_PATH, BuildLock
 from contracts.schema import InvalidInput, Problem, short

@@ -36,7 +36,7 @@ class Engine(Protocol):
         """Remove an image; False when it is not there or still in use (then it is kept)."""
 
     def load_archive(self, archive: Path, ref: str) -> str:
-        """`docker load` a docker-archive (build/image_archive.py); returns the image ID of `ref`."""
+        """`docker load` a docker-archive (build/oci/docker_archive.py); returns the image ID of `ref`."""
 
     def load_stream(self, chunks: Iterable[bytes], ref: str) -> str:
         """`docker load` an archive given as byte chunks; returns the image ID of `ref`."""

@@ -1,4 +1,5 @@
-"""The Docker engine, through the docker SDK: build, run, inspect, import, tag and remove.
+"""The Docker engine, through the docker SDK: build (the classic builder), run, inspect, load, save, tag
+and remove.
 
 The SDK speaks only the classic builder (no BuildKit: docker/docker-py #2230), so our
 Dockerfiles use no `RUN --mount` and every RUN step runs with networking disabled.
@@ -16,8 +17,8 @@ import docker
 import docker.errors
 import requests.exceptions
 
-from build.diskspace import DISK_FIX
 from build.engine import BuiltImage, RunResult
+from build.engine.diskspace import DISK_FIX
 from build.errors import BuildFailure
 from contracts.events import EventLog, Progress
 

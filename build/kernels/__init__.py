@@ -1,7 +1,7 @@
 """Kernel stage: every kernel in the plan becomes a checked wheel, from the cache when possible.
 
 Compiled kernels: a cache hit (zero compilation, whatever else changed) or a compile from the
-pinned sdist with recipe.py (in a builder container, compile.py; or on this host, host.py),
+pinned sdist with recipe.py (in a builder container, compile.py; or on this host, build_here.py),
 the GPU-free checks, then the cache. Triton kernels (pure Python) are pinned wheels, fetched
 and hash-checked. After the image is built, the same checks run again inside it.
 """
@@ -16,7 +16,11 @@ from pathlib import Path
 from build.cache import CacheLayout
 from build.engine import Engine
 from build.errors import BuildFailure
-from build.kernels.checks import (
+from build.kernels.compile import compile_kernel, parallel_jobs
+from build.kernels.sources import fetch_pinned
+from build.kernels.store import KernelStore
+from build.kernels.wheel import KernelWheel
+from build.kernels.wheel_checks import (
     CHECK_SCRIPT,
     CheckRow,
     fail_on,
@@ -25,11 +29,7 @@ from build.kernels.checks import (
     parse_rows,
     render_rows,
 )
-from build.kernels.compile import compile_kernel, parallel_jobs
-from build.kernels.store import KernelStore
-from build.kernels.wheel import KernelWheel
 from build.resolve import BuildPlan
-from build.sources import fetch_pinned
 from contracts.events import EventLog, format_seconds
 
 __all__ = ["KernelWheel", "ProvidedKernels", "provide_kernels", "expected_costs", "check_image",

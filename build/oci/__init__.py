@@ -12,6 +12,6 @@ this tool (tarlayer.py) and cached by the digest of its inputs (layercache.py):
 
 The config and manifest are canonical JSON (image.py), so the same inputs give the same
 image ID and manifest digest on any machine; an OCI image layout is written to the build's
-output folder, the engine gets the image as a docker-archive (load.py), and a push sends the
-same blobs through the registry API (registry_push.py).
+output folder, the engine gets the image as a docker-archive (docker_archive.py), and a push
+sends the same blobs through the registry API (build/publish/registry.py).
 """

@@ -1,12 +1,16 @@
-"""The image from its layers: canonical config and manifest, an OCI layout, the engine's copy.
+"""The image from its layers: canonical config and manifest, and the OCI layout they are
+written to.
 
 The config holds no host, no container and no build-time clock: `created` and each history
 entry carry the times of the layers' own inputs, and the JSON is canonical (sorted keys, no
 spaces). So the image ID (the config's sha256) and the manifest digest are functions of the
-layers and the declared settings alone.
+layers and the declared settings alone. The one canonical JSON encoding (`canonical`) and
+digest (`sha256_digest`) of every document this tool writes live here; so does the config of a
+bootstrapped base, a single-layer image (`image_config`).
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -15,16 +19,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from build.cache import link_or_copy
-from build.image_archive import rfc3339
 from build.oci.layercache import CachedLayer, LayerCache, layer_key
 from build.oci.tarlayer import DIR_MODE, EXEC_MODE, FILE_MODE, TreeEntry, parents, tree_entries, write_layer
-from build.registry import canonical, sha256_digest
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
 OCI_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 LAYOUT_DIR = "oci"
+
+
+def canonical(document) -> bytes:
+    """The one JSON encoding of a document this tool writes (sorted keys, no spaces)."""
+    return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sha256_digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def rfc3339(epoch: int) -> str:
+    return datetime.datetime.fromtimestamp(epoch, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True)
@@ -110,6 +125,16 @@ def assemble(layers: list[CachedLayer], settings: RuntimeSettings, created: int)
     return AssembledImage(config=config, manifest=manifest, layers=layers, created=created)
 
 
+def image_config(diff_id: str, *, epoch: int, env: list[str], cmd: list[str], labels: dict[str, str],
+                 created_by: str, architecture: str = "amd64") -> bytes:
+    """The config of a single-layer image (a bootstrapped base): its time is `epoch`, never now."""
+    when = rfc3339(epoch)
+    return canonical({"architecture": architecture, "os": "linux", "created": when,
+                      "config": {"Env": env, "Cmd": cmd, "Labels": dict(sorted(labels.items()))},
+                      "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+                      "history": [{"created": when, "created_by": created_by}]})
+
+
 def write_layout(image: AssembledImage, out_dir: Path, ref_name: str) -> Path:
     """An OCI image layout at out_dir/oci (blobs hard-linked from the layer cache), replaced whole."""
     final = out_dir / LAYOUT_DIR
@@ -148,5 +173,5 @@ def read_layout(layout: Path) -> tuple[bytes, bytes, list[Path]]:
     return manifest, config, [blob(layer["digest"]) for layer in parsed["layers"]]
 
 
-__all__ = ["DIR_MODE", "EXEC_MODE", "FILE_MODE", "AssembledImage", "RuntimeSettings", "assemble", "file_layer",
-           "read_layout", "tree_layer", "write_layout"]
+__all__ = ["DIR_MODE", "EXEC_MODE", "FILE_MODE", "AssembledImage", "RuntimeSettings", "assemble", "canonical",
+           "file_layer", "image_config", "read_layout", "rfc3339", "sha256_digest", "tree_layer", "write_layout"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from build.cache import CacheLayout
 from build.context.render import APP_DIR, GATE, VENV, RenderedContext
-from build.oci import load as engine_load
+from build.oci import docker_archive
 from build.oci.baselayer import TrainingUser, base_epoch, base_layers
 from build.oci.image import AssembledImage, RuntimeSettings, assemble, file_layer, tree_layer, write_layout
 from build.oci.layercache import LayerCache
@@ -78,7 +78,7 @@ def assemble_runtime_image(plan: BuildPlan, context: RenderedContext, *, wheels:
         engine.tag(image.image_id, plan.tag)
         sent = 0
     else:
-        _, sent = engine_load.load(engine, image.config, plan.tag, layers, image.image_id)
+        _, sent = docker_archive.load(engine, image.config, plan.tag, layers, image.image_id)
     log.emit("image", f"image {image.image_id[:19]} ({len(layers)} layers, {sent} sent to the engine), "
              f"manifest {image.manifest_digest[:19]}")
     return Assembly(image=image, layout=layout, layers_sent=sent, states=states)

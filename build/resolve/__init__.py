@@ -15,8 +15,8 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from build.resolve import checks
-from build.resolve.plan import BuildPlan, CompileEstimate, KernelPlan, canonical_json, digest
+from build.resolve import compat_checks
+from build.resolve.build_plan import BuildPlan, CompileEstimate, KernelPlan, canonical_json, digest
 from build.resolve.specialise import estimate, specialise
 from build.spec import (
     MANIFEST_PATH,
@@ -70,7 +70,7 @@ def resolve(spec: ImageSpec, manifest: Manifest, problems: Problems | None = Non
             host: tuple[Toolchain, PinnedFile] | None = None) -> BuildPlan:
     """Raise SpecErrors with every problem found (including any the caller already collected).
 
-    `host`: resolve for an observed toolchain (this machine's Python and torch, see host.py)
+    `host`: resolve for an observed toolchain (this machine's Python and torch, see this_host.py)
     instead of the image's pinned one; the compatibility data is then not consulted, because
     the toolchain is what is installed, not a choice."""
     problems = Problems() if problems is None else problems
@@ -90,8 +90,8 @@ def resolve(spec: ImageSpec, manifest: Manifest, problems: Problems | None = Non
                      f"add toolchains.{toolchain.name}.torch.wheels.{spec.platform} to kernels_manifest.yaml",
                      "no-torch-wheel")
     if not host:
-        checks.toolchain(problems, toolchain)
-    checks.archs(problems, spec_file, spec, toolchain)
+        compat_checks.toolchain(problems, toolchain)
+    compat_checks.archs(problems, spec_file, spec, toolchain)
     family = _family(spec, problems)
     if spec.attn_implementation == "flash_attention_2" and not any(
             "attention:flash_attention_2" in manifest.kernels[k].replaces for k in spec.kernels if k in
@@ -107,12 +107,12 @@ def resolve(spec: ImageSpec, manifest: Manifest, problems: Problems | None = Non
                              f"use one of: {', '.join(sorted(manifest.kernels))}, or add it to kernels_manifest.yaml",
                              "unknown-kernel")
         elif kernel not in kernels:
-            checks.kernel(problems, spec_file, f"kernels[{i}]", kernel, spec, toolchain)
+            compat_checks.kernel(problems, spec_file, f"kernels[{i}]", kernel, spec, toolchain)
             kernels.append(kernel)
     specialised = {k.name: specialise(k, spec, family, problems, spec_file) for k in kernels}
     requirements = _merge_requirements(problems, spec_file, spec, kernels)
     if not host:
-        checks.runtime_constraints(problems, spec_file, spec, kernels, requirements)
+        compat_checks.runtime_constraints(problems, spec_file, spec, kernels, requirements)
     problems.raise_if_any(SpecErrors)
     kernel_plans = [_plan_kernel(k, spec, toolchain, torch_wheel, *specialised[k.name]) for k in kernels]
 

@@ -10,7 +10,7 @@ joins the two.
 """
 from __future__ import annotations
 
-from build.resolve.plan import CompileEstimate
+from build.resolve.build_plan import CompileEstimate
 from build.spec import ImageSpec, Kernel
 from contracts.lock import Specialisation
 from contracts.schema import Problems

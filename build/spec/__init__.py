@@ -1,7 +1,7 @@
 """The build spec: kernels_manifest.yaml, images/<name>/image.yaml and the bootstrap bases,
 loaded in stages:
 
-    schema.py    the typed shapes (and per-field rules) of each file
+    shapes.py    the typed shapes (and per-field rules) of each file
     parse.py     safe YAML -> the schema engine -> typed objects
     validate.py  rules that relate fields within one file
 
@@ -17,7 +17,7 @@ from build.spec.parse import (
                               load_manifest,
                               looks_secret,
 )
-from build.spec.schema import (
+from build.spec.shapes import (
                               ArchKnob,
                               BaseRef,
                               BootstrapBase,

@@ -12,7 +12,7 @@ from typing import Any
 
 from build.spec import validate
 from build.spec.files import display_path, looks_secret, read_document, secret_scan
-from build.spec.schema import BootstrapBase, ImageSpec, Manifest, ManifestDocument
+from build.spec.shapes import BootstrapBase, ImageSpec, Manifest, ManifestDocument
 from contracts.schema import Problems, Reader
 
 __all__ = ["REPO_ROOT", "MANIFEST_PATH", "BASES_DIR", "load_manifest", "load_image_spec", "load_bootstrap_base",

@@ -13,7 +13,7 @@ from typing import Any
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
-from build.spec.schema import ENV_NAME, LABEL_KEY, UID_RANGE, ImageSpec, Kernel, Manifest, PinnedFile
+from build.spec.shapes import ENV_NAME, LABEL_KEY, UID_RANGE, ImageSpec, Kernel, Manifest, PinnedFile
 from contracts.redact import mask_url
 from contracts.schema import InvalidInput, Problems
 

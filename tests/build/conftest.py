@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from build.cli import main
+from build.cli.main import main
 from build.spec import REPO_ROOT
 
 

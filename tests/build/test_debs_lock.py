@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from build import debs_lock
+from build.base import debs_lock
 from build.cache import CacheLayout
 from build.spec import REPO_ROOT
 from contracts.events import EventLog

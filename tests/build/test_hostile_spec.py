@@ -246,7 +246,7 @@ def _snapshot(root: Path) -> dict[str, float]:
 @given(edits=st.lists(st.tuples(st.sampled_from(PATHS_IMAGE), HOSTILE), min_size=1, max_size=3),
        manifest_edit=st.none() | st.tuples(st.sampled_from(PATHS_MANIFEST), HOSTILE))
 def test_fuzz_hostile_fields_never_escape(tmp_path_factory, edits, manifest_edit):
-    from build.cli import main
+    from build.cli.main import main
     from build.context.render import render_dockerfile
     from build.resolve import load_plan
     from build.spec import SpecErrors

@@ -16,9 +16,10 @@ import pytest
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from build import attest, signing
-from build.registry import Registry, canonical, sha256_digest
-from build.verify_image import verify_image
+from build.audit.image_signature import verify_image
+from build.oci.image import canonical, sha256_digest
+from build.publish import attest, signing
+from build.publish.registry import Registry
 from tests.fixtures.keys import write_p256_pair, write_rsa_key
 from tests.fixtures.registry import Registry as RegistryProcess
 

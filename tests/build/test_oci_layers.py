@@ -17,15 +17,15 @@ from pathlib import Path
 
 import pytest
 
+from build.audit.reproducible import BuildResult, compare
 from build.engine import RunResult
 from build.errors import BuildFailure
-from build.oci import depcheck, load
+from build.oci import depcheck, docker_archive
 from build.oci.baselayer import TrainingUser, transform_layers
 from build.oci.image import RuntimeSettings, assemble, read_layout, write_layout
 from build.oci.layercache import CachedLayer, LayerCache
 from build.oci.tarlayer import LayerTreeErrors, parents, tree_entries, write_layer
 from build.oci.venv import COMPILE_SCRIPT, LockedWheel, venv_layer
-from build.reproducible import BuildResult, compare
 from contracts.events import EventLog
 from tests.fakes.engine import FakeEngine
 
@@ -360,10 +360,11 @@ def test_the_engine_is_sent_only_the_layers_it_lacks(tmp_path):
     engine = FakeEngine()
     first = assemble([base, venv, cached(tmp_path, "app", "one")], SETTINGS, EPOCH)
     engine.images_with_label = lambda label: [{"Id": i["Id"]} for i in engine.images.values()]
-    loaded, sent = load.load(engine, first.config, "smoke:1", first.layers, first.image_id)
+    loaded, sent = docker_archive.load(engine, first.config, "smoke:1", first.layers, first.image_id)
     assert (loaded, sent) == (first.image_id, 3)
     after_commit = assemble([base, venv, cached(tmp_path, "app", "two")], SETTINGS, EPOCH + 60)
-    loaded, sent = load.load(engine, after_commit.config, "smoke:1", after_commit.layers, after_commit.image_id)
+    loaded, sent = docker_archive.load(engine, after_commit.config, "smoke:1", after_commit.layers,
+                                       after_commit.image_id)
     assert (loaded, sent) == (after_commit.image_id, 1)
 
 
@@ -374,7 +375,7 @@ def test_a_layer_the_engine_dropped_meanwhile_is_sent_on_retry(tmp_path):
     stale = {"Id": "sha256:" + "e" * 64, "RootFS": {"Layers": [layers[0].diff_id]}, "Config": {"Labels": {}}}
     engine.images_with_label = lambda label: [stale]
     engine.image = lambda ref: stale if ref == stale["Id"] else FakeEngine.image(engine, ref)
-    loaded, sent = load.load(engine, image.config, "smoke:1", layers, image.image_id)
+    loaded, sent = docker_archive.load(engine, image.config, "smoke:1", layers, image.image_id)
     assert (loaded, sent) == (image.image_id, 2) and engine.count("load_stream") == 2
 
 

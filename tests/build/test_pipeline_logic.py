@@ -12,7 +12,7 @@ import pytest
 
 import build.kernels as kernel_stage
 from build import pipeline
-from build.bootstrap import SPEC_LABEL, base_tag
+from build.base.bootstrap import SPEC_LABEL, base_tag
 from build.cache import CacheLayout
 from build.engine import RunResult
 from build.errors import BuildFailure

@@ -13,7 +13,7 @@ import yaml
 
 from build.errors import BuildFailure
 from build.pipeline import BuildReport
-from build.push import PushTarget, push_image
+from build.publish.push import PushTarget, push_image
 from build.resolve import load_plan
 from build.spec import MANIFEST_PATH, REPO_ROOT
 from contracts.events import EventLog
@@ -75,7 +75,7 @@ def test_push_with_a_mode_that_builds_nothing_is_refused(run_cli, mode):
 # ---- the push, against a scripted client ---------------------------------------------------
 
 class ScriptedRegistry:
-    """A RegistryClient that plays back a push stream, as dockerd would send it."""
+    """A PushClient that plays back a push stream, as dockerd would send it."""
 
     def __init__(self, stream: list[dict], repo_digests: list[str] | None = None):
         self.stream, self.digests = stream, repo_digests or []

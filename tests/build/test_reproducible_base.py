@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from build import rootfs as rootfs_mod
-from build.image_archive import file_sha256, image_config, write_archive
+from build.base import rootfs as rootfs_mod
+from build.oci.docker_archive import file_sha256, write_archive
+from build.oci.image import image_config
 from tests.fakes.engine import FakeEngine
 
 RELEASE_DATE = "Sat, 08 Nov 2025 09:13:21 UTC"

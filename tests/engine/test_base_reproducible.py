@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from build.bootstrap import ROOTFS_LABEL, base_tag, rootfs_tarball
-from build.image_archive import file_sha256
+from build.base.bootstrap import ROOTFS_LABEL, base_tag, rootfs_tarball
+from build.oci.docker_archive import file_sha256
 from build.resolve import load_plan
 from build.spec import REPO_ROOT
 from contracts.events import EventLog
@@ -46,7 +46,7 @@ def test_bases_update_pins_from_the_signed_index_and_replaces_a_damaged_lock(tmp
     import json
     import shutil
 
-    from build import debs_lock
+    from build.base import debs_lock
     from tests.conftest import run_build_cli
 
     folder = tmp_path / "debian-bookworm"

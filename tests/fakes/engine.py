@@ -58,7 +58,7 @@ class FakeEngine:
         """Like `docker load`: layers named but not sent must be ones an image here already has."""
         import json
 
-        from build.oci.load import read_archive
+        from build.oci.docker_archive import read_archive
 
         self.calls.append(("load_stream", ref))
         with read_archive(chunks) as tar:

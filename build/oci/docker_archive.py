@@ -1,34 +1,59 @@
-"""Hand an assembled image to the local engine as a docker-archive, streamed, never written out.
+"""The docker-archive (what `docker load` reads), written deterministically: streamed to the
+engine, or to a file.
 
+One writer for both users. An assembled image goes to the engine streamed, never written out:
 Docker 20.10 cannot load an OCI layout, but it loads a docker-archive whose layers are gzipped
 blobs, and it reads a layer's file only when the engine lacks that layer's chain. So the
 archive names every layer and carries only those past the longest prefix the engine already
 holds: after a commit, that is the app layer, a few hundred kilobytes. Should the engine have
-dropped a layer in between, the load fails and is retried with every layer.
+dropped a layer in between, the load fails and is retried with every layer. A bootstrapped
+base (build/base/bootstrap.py) is one uncompressed layer written to a file and loaded from it.
+
+Entries are in a fixed order with fixed metadata (mode, mtime 0, numeric owner 0), and the
+config is the one the build wrote, so the image ID `docker load` gives is the config's sha256.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import tarfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
+from build.cache import sha256_file
 from build.errors import BuildFailure
-from build.oci.layercache import CachedLayer
 
 BLOCK = 512
 CHUNK = 1 << 20
 
 
-def held_prefix(diff_ids: list[str], chains_held: Iterable[list[str]]) -> int:
-    """How many leading layers of `diff_ids` the engine holds (as the start of some image's layers)."""
-    best = 0
-    for held in chains_held:
-        n = 0
-        while n < min(len(held), len(diff_ids)) and held[n] == diff_ids[n]:
-            n += 1
-        best = max(best, n)
-    return best
+class ArchiveLayer(Protocol):
+    """A layer as the archive needs it: its diffID, and the file that holds it (a CachedLayer)."""
+    diff_id: str
+    path: Path
+    size: int
+
+
+@dataclass(frozen=True)
+class LayerFile:
+    diff_id: str
+    path: Path
+    size: int
+
+
+@dataclass(frozen=True)
+class ArchiveImage:
+    id: str            # sha256:<hex> of the config, the ID `docker load` gives the image
+    diff_id: str       # sha256:<hex> of the uncompressed layer
+    path: Path
+
+
+def file_sha256(path: Path) -> str:
+    """`sha256:<hex>` of a file: an uncompressed layer's diffID."""
+    return "sha256:" + sha256_file(path)
 
 
 def _member(name: str, size: int, directory: bool = False) -> bytes:
@@ -42,9 +67,9 @@ def _padding(size: int) -> bytes:
     return b"\0" * (-size % BLOCK)
 
 
-def archive_chunks(config: bytes, tag: str, layers: list[CachedLayer], skip: int) -> Iterator[bytes]:
+def archive_chunks(config: bytes, tag: str, layers: Sequence[ArchiveLayer], skip: int = 0) -> Iterator[bytes]:
     """The docker-archive of the image, as chunks; the first `skip` layers are named, not sent."""
-    image_hex = __import__("hashlib").sha256(config).hexdigest()
+    image_hex = hashlib.sha256(config).hexdigest()
     names = [f"{layer.diff_id.removeprefix('sha256:')}/layer.tar" for layer in layers]
     manifest = json.dumps([{"Config": f"{image_hex}.json", "RepoTags": [tag], "Layers": names}],
                           separators=(",", ":")).encode()
@@ -61,8 +86,28 @@ def archive_chunks(config: bytes, tag: str, layers: list[CachedLayer], skip: int
     yield b"\0" * (BLOCK * 2)
 
 
-def load(engine, config: bytes, tag: str, layers: list[CachedLayer], image_id: str) -> tuple[str, int]:
-    """Load into the engine and check it kept the ID; returns (image ID, layers sent)."""
+def write_archive(layer: Path, out: Path, *, ref: str, config: bytes, diff_id: str) -> ArchiveImage:
+    """The archive of a single-layer image at `out`, naming `ref`: the same bytes
+    `archive_chunks` streams, the layer copied through, never read into memory."""
+    with out.open("wb") as fh:
+        for chunk in archive_chunks(config, ref, [LayerFile(diff_id, layer, layer.stat().st_size)]):
+            fh.write(chunk)
+    return ArchiveImage(id="sha256:" + hashlib.sha256(config).hexdigest(), diff_id=diff_id, path=out)
+
+
+def held_prefix(diff_ids: list[str], chains_held: Iterable[list[str]]) -> int:
+    """How many leading layers of `diff_ids` the engine holds (as the start of some image's layers)."""
+    best = 0
+    for held in chains_held:
+        n = 0
+        while n < min(len(held), len(diff_ids)) and held[n] == diff_ids[n]:
+            n += 1
+        best = max(best, n)
+    return best
+
+
+def load(engine, config: bytes, tag: str, layers: Sequence[ArchiveLayer], image_id: str) -> tuple[str, int]:
+    """Stream the image into the engine and check it kept the ID; returns (image ID, layers sent)."""
     chains = []
     for image in engine.images_with_label("io.ftimage.image"):
         info = engine.image(image["Id"]) or {}

@@ -194,10 +194,9 @@ def _build(clone: Path, image_rel: str, work: Path, label: str, *, umask: int, t
 
 
 def _push(result: BuildResult, target) -> None:
-    from build.oci.registry_push import LayoutRegistryClient
-    from build.registry import Registry
+    from build.publish.registry import LayoutPushClient, Registry
 
-    client = LayoutRegistryClient(Path(result.layout), Registry(target.registry), target.path)
+    client = LayoutPushClient(Path(result.layout), Registry(target.registry), target.path)
     for item in client.push(target.repository, f"repro-{result.label.lower()}"):
         if "error" in item:
             raise BuildFailure(f"pushing build {result.label} to {target.repository} failed: {item['error']}",
@@ -224,7 +223,7 @@ def main(argv: list[str]) -> int:
                                         "name a folder under images/ that holds an image.yaml", "not-an-image")])
     target = None
     if args.push_to:
-        from build.push import parse_push_target
+        from build.publish.push import parse_push_target
 
         target = parse_push_target(args.push_to)
     dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],

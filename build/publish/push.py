@@ -12,14 +12,15 @@ A failed push is exit 1, with the registry's own words and what to do about them
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from build.errors import BuildFailure
-from build.spec.schema import IMAGE_REF, SHA256
+from build.publish.registry import EnginePushClient, LayoutPushClient, PushClient, Registry, engine_allows_plain_http
+from build.spec import REPO_ROOT
+from build.spec.shapes import IMAGE_REF, SHA256
 from contracts import atomic
 from contracts.events import EventLog, Progress
 from contracts.redact import mask_url
@@ -174,87 +175,15 @@ def push_target_from_args(value: str | None, modes: dict[str, bool]) -> PushTarg
 
 # ---- the push -----------------------------------------------------------------------------
 
-class RegistryClient(Protocol):
-    """What a push needs from the engine. Errors during the push arrive as `{"error": ...}`
-    items in the stream (dockerd reports them there, not as HTTP status codes)."""
-
-    def tag(self, image: str, repository: str, tag: str) -> None: ...
-
-    def push(self, repository: str, tag: str) -> Iterable[dict[str, Any]]: ...
-
-    def repo_digests(self, image: str) -> list[str]: ...
-
-    def untag(self, reference: str) -> None: ...
-
-
-class DockerRegistryClient:
-    """RegistryClient over the docker SDK's low-level API (the same engine the build used)."""
-
-    def __init__(self, api):
-        self.api = api
-
-    @classmethod
-    def connect(cls) -> DockerRegistryClient:
-        from build.engine.docker_engine import DockerEngine
-
-        return cls(DockerEngine.connect().client.api)
-
-    def tag(self, image: str, repository: str, tag: str) -> None:
-        with engine_errors("tag"):
-            self.api.tag(image, repository, tag, force=True)
-
-    def push(self, repository: str, tag: str) -> Iterator[dict[str, Any]]:
-        import docker.errors
-
-        with engine_errors("push"):
-            try:
-                yield from self.api.push(repository, tag=tag, stream=True, decode=True)
-            except docker.errors.APIError as exc:   # refused before streaming (bad name, no such image)
-                yield {"error": str(exc.explanation or exc)}
-
-    def repo_digests(self, image: str) -> list[str]:
-        with engine_errors("inspect"):
-            return list(self.api.inspect_image(image).get("RepoDigests") or [])
-
-    def untag(self, reference: str) -> None:
-        import docker.errors
-
-        try:
-            self.api.remove_image(reference)
-        except docker.errors.APIError:
-            pass    # a tag we could not remove costs disk, not correctness
-
-
-@contextmanager
-def engine_errors(what: str) -> Iterator[None]:
-    """dockerd refusing a call, or lost mid-push, is a failure with the engine's words (exit 1)."""
-    import docker.errors
-    import requests.exceptions
-
-    try:
-        yield
-    except docker.errors.APIError as exc:    # an HTTP error from dockerd itself, not from the registry
-        raise BuildFailure(f"docker {what} failed: {exc.explanation or exc}",
-                           "build the image again (something removed it?) and read the dockerd log") from None
-    except requests.exceptions.RequestException as exc:
-        from build.engine.docker_engine import ENGINE_FIX
-
-        raise BuildFailure(f"lost the Docker engine during {what}: {str(exc).split('(Caused by')[0]}",
-                           ENGINE_FIX) from None
-
-
 def push_image(report: BuildReport, target: PushTarget, *, out_dir: Path, log: EventLog,
-               client: RegistryClient | None = None, sign_key=None) -> PushRecord:
+               client: PushClient | None = None, sign_key=None) -> PushRecord:
     """Push the image `report` describes to `target`, record the digest in out_dir's build report
     (written atomically) and in `report.pushed`; return the record. With `sign_key`, also push a
-    cosign signature and a provenance attestation for that digest (build/attest.py)."""
+    cosign signature and a provenance attestation for that digest (attest.py)."""
     if client is None and report.layout:
-        from build.oci.registry_push import LayoutRegistryClient
-        from build.registry import Registry
-
-        client = LayoutRegistryClient(Path(report.layout), Registry(
+        client = LayoutPushClient(Path(report.layout), Registry(
             target.registry, plain_http=engine_allows_plain_http(target.registry)), target.path)
-    client = client or DockerRegistryClient.connect()
+    client = client or EnginePushClient.connect()
     tag = report.tag.rpartition(":")[2]
     remote = f"{target.repository}:{tag}"
     client.tag(report.image_id or report.tag, target.repository, tag)
@@ -282,35 +211,12 @@ def push_image(report: BuildReport, target: PushTarget, *, out_dir: Path, log: E
     return record
 
 
-def engine_allows_plain_http(registry: str) -> bool:
-    """Whether the local engine is configured to reach `registry` over plain HTTP (dockerd's
-    `insecure-registries`): a push from the layout follows the same setting `docker push` would."""
-    import ipaddress
-
-    try:
-        from build.engine.docker_engine import DockerEngine
-
-        config = DockerEngine.connect(timeout=10).client.info().get("RegistryConfig") or {}
-    except (BuildFailure, OSError, ValueError):
-        return False
-    if (config.get("IndexConfigs") or {}).get(registry, {}).get("Secure") is False:
-        return True
-    host = registry.rsplit(":", 1)[0].strip("[]")
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    cidrs = config.get("InsecureRegistryCIDRs") or []
-    return any(address in ipaddress.ip_network(cidr, strict=False) for cidr in cidrs)
-
-
 def _sign(record: PushRecord, report: BuildReport, target: PushTarget, key, log: EventLog) -> PushRecord:
     from dataclasses import replace
 
-    from build import signing
-    from build.attest import Provenance, sign_and_attest
     from build.context.render import source_date_epoch
-    from build.registry import Registry
+    from build.publish import signing
+    from build.publish.attest import Provenance, sign_and_attest
 
     provenance = Provenance(image=report.image, plan_key=report.plan_key, lock_sha256=report.lock_sha256,
                             source_date_epoch=source_date_epoch(), commit=_commit(), tool_version=_tool_version())
@@ -324,7 +230,7 @@ def _commit() -> str:
     import subprocess
 
     try:
-        out = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "HEAD"],
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
                              capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -336,7 +242,7 @@ def _tool_version() -> str:
     import tomllib
 
     try:
-        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        pyproject = REPO_ROOT / "pyproject.toml"
         return str(tomllib.loads(pyproject.read_text())["project"]["version"])
     except (OSError, KeyError, ValueError):
         return "unknown"

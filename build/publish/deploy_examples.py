@@ -1,5 +1,6 @@
-"""`--deploy-example k8s|slurm`: the Kubernetes PyTorchJob and Slurm examples in deploy/,
-rendered for the image this build pushed and pinned by the digest build-report.json recorded.
+"""`--deploy-example k8s|slurm`: render (print) the Kubernetes PyTorchJob or Slurm example of
+deploy/ for the image this build pushed, pinned by the digest build-report.json recorded. It
+deploys nothing: `python -m build IMAGE_DIR --deploy-example KIND` prints the rendered example.
 
 The report is a file on disk, so every value read from it is checked against the same grammars
 the push used (digest, repository) before it reaches a YAML document or a bash script; the
@@ -16,11 +17,12 @@ from typing import Any
 import jinja2
 
 from build.errors import BuildFailure
-from build.push import DIGEST, REPORT_NAME, PushRecord, reference_problems
+from build.publish.push import DIGEST, REPORT_NAME, PushRecord, reference_problems
 from build.resolve import BuildPlan
+from build.spec import REPO_ROOT
 from contracts.schema import InvalidInput, Problem
 
-DEPLOY_DIR = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY_DIR = REPO_ROOT / "deploy"
 TEMPLATES = {"k8s": "kubernetes/pytorchjob.yaml.j2", "slurm": "slurm/finetune.sbatch.j2"}
 DNS_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,38}[a-z0-9])?"   # short enough for "<job>-worker-<n>" pod names
 RECORD_FIELDS = ("repository", "tag", "digest", "reference")

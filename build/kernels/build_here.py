@@ -23,7 +23,11 @@ from build.cache import CacheLayout, sha256_file
 from build.context.lockfile import make_lock
 from build.errors import BuildFailure
 from build.kernels.archs import archs_of_wheel
-from build.kernels.checks import (
+from build.kernels.compile import RECIPE, parallel_jobs, stage_inputs
+from build.kernels.progress import CompileProgress
+from build.kernels.sources import fetch_pinned
+from build.kernels.wheel import KernelWheel
+from build.kernels.wheel_checks import (
     CheckRow,
     arch_rows,
     fail_on,
@@ -32,12 +36,8 @@ from build.kernels.checks import (
     render_rows,
     version_rows,
 )
-from build.kernels.compile import RECIPE, parallel_jobs, stage_inputs
-from build.kernels.progress import CompileProgress
-from build.kernels.wheel import KernelWheel
 from build.resolve import BuildPlan, KernelPlan
-from build.resolve.host import resolve_for_host
-from build.sources import fetch_pinned
+from build.resolve.this_host import resolve_for_host
 from build.spec import SpecErrors, load_image_spec, load_manifest
 from contracts import atomic
 from contracts.events import EventLog

@@ -1,7 +1,12 @@
-"""Bootstrap a Debian base image locally (debootstrap + docker import), for hosts with no registry.
+"""Bootstrap a Debian base image locally, for hosts with no registry: debootstrap (from the
+base's deb lock), a deterministic root filesystem tarball (rootfs.py), and a config this tool
+writes, loaded into the engine as a docker-archive (build/oci/docker_archive.py). No `docker
+import`, which would stamp the image with the time of the import: the same root filesystem
+gives the same image ID on every machine.
 
 Idempotent: the image is tagged by the hash of its spec and labelled with it, and an
-existing image with the same spec hash is reused as is.
+existing image with the same spec hash is reused as is. `ensure_base` also accepts a registry
+base the engine already holds (builds never pull).
 """
 from __future__ import annotations
 
@@ -11,13 +16,15 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from build import debs_lock, proc
+from build import proc
+from build.base import debs_lock
+from build.base.rootfs import base_epoch, normalise, write_tarball
 from build.cache import CacheLayout, default_cache_root
 from build.engine import Engine
 from build.errors import BuildFailure
-from build.image_archive import file_sha256, image_config, write_archive
+from build.oci.docker_archive import file_sha256, write_archive
+from build.oci.image import image_config
 from build.resolve import digest
-from build.rootfs import base_epoch, normalise, write_tarball
 from build.spec import BaseRef, BootstrapBase
 from contracts.events import EventLog, Progress
 
@@ -86,9 +93,9 @@ def bootstrap(base: BootstrapBase, engine: Engine, cache: CacheLayout, log: Even
 
 def rootfs_tarball(base: BootstrapBase, work: Path, log: EventLog,
                    cache: CacheLayout | None = None) -> tuple[Path, int]:
-    """debootstrap into `work`, make the tree deterministic (build/rootfs.py) and tar it; returns
+    """debootstrap into `work`, make the tree deterministic (rootfs.py) and tar it; returns
     (the tarball, the base's epoch). With a deb lock, only the locked .debs are installed, from a
-    local repository made of them (build/debs_lock.py)."""
+    local repository made of them (debs_lock.py)."""
     rootfs = work / "rootfs"
     progress = Progress(log, "bootstrap", base.name, expected_seconds=90.0, min_interval=5.0)
     progress.update(None, f"debootstrap {base.suite} ({base.variant}) with {', '.join(base.packages)}", force=True)

@@ -1,10 +1,12 @@
-"""`python -m build bases update|export|import`: the deb locks that pin bootstrapped bases."""
+"""`python -m build bases update|export|import`: the deb locks that pin bootstrapped bases; and
+`python -m build bootstrap-base BASE_DIR`: debootstrap one base (from its deb lock)."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
-from build.cli_common import EXIT_OK, add_common_options, open_cache
+from build.cli.common import EXIT_OK, add_common_options, open_cache
 from contracts.events import EventLog
 
 
@@ -21,7 +23,7 @@ def main(argv: list[str]) -> int:
     for sp in (update, export, imp):
         add_common_options(sp)
     args = p.parse_args(argv)
-    from build import debs_lock
+    from build.base import debs_lock
     from build.spec import REPO_ROOT, SpecErrors, load_bootstrap_base
     from contracts.schema import Problems
 
@@ -52,4 +54,24 @@ def main(argv: list[str]) -> int:
     else:
         count = debs_lock.import_debs(locks, cache, args.directory)
         print(f"imported {count} .deb files, each matching its lock's sha256")
+    return EXIT_OK
+
+
+def bootstrap_base(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m build bootstrap-base",
+                                description="Build a base image locally with debootstrap and docker import "
+                                            "(idempotent: a base with the same spec hash is reused).")
+    p.add_argument("base_dir", type=Path, help="e.g. images/_bases/debian-bookworm")
+    add_common_options(p)
+    args = p.parse_args(argv)
+    from build.base.bootstrap import bootstrap
+    from build.engine import connect
+    from build.spec import SpecErrors, load_bootstrap_base
+    from contracts.schema import Problems
+
+    problems = Problems()
+    base = load_bootstrap_base(args.base_dir, problems)
+    problems.raise_if_any(SpecErrors)
+    result = bootstrap(base, connect(), open_cache(args.cache, force=args.force), EventLog(json_lines=args.json_logs))
+    print(json.dumps({"ref": result.ref, "id": result.id, "reused": result.reused}))
     return EXIT_OK

@@ -1,25 +1,37 @@
-"""A small client for the OCI distribution API: read manifests and blobs, write the artifacts a
-signed push adds (a signature and a provenance attestation) beside an image.
+"""The one registry client: everything this tool says to a registry, whichever way it goes.
 
-It pushes assembled images blob by blob from their OCI layout, so the registry stores the
-manifest this tool wrote and the pushed digest is the build's own (build/oci/registry_push.py),
-and it moves the small JSON documents a signed push adds. It speaks what dockerd speaks: HTTPS, except
-plain HTTP for 127.0.0.0/8 and localhost; anonymous, Basic, or Bearer-token auth with the
-credentials `docker login` stored (read through the docker SDK's own config loader).
+  * `Registry`: the OCI distribution API over HTTP(S). It reads manifests and blobs (verify-image,
+    build/audit/image_signature.py), writes the small JSON documents a signed push adds beside an
+    image (build/publish/attest.py), and uploads an assembled image's blobs, streamed, and its
+    manifest. It speaks what dockerd speaks: HTTPS, except plain HTTP for 127.0.0.0/8 and
+    localhost (and, for a push, any registry the engine lists in `insecure-registries`:
+    `engine_allows_plain_http`); anonymous, Basic, or Bearer-token auth with the credentials
+    `docker login` stored, read through the docker SDK's own config loader and never printed.
+    A stored manifest's Docker-Content-Digest must be the sha256 of the bytes sent.
+  * `PushClient`: what build/publish/push.py needs to push an image, with two implementations.
+    `LayoutPushClient` pushes an assembled image from its OCI layout, blob by blob through
+    `Registry`: `docker push` would recompress the layers, so the pushed digest would be the
+    engine's, not the build's; here the registry receives the exact blobs and manifest the build
+    wrote, so the digest in build-report.json is the one a deployment pins, from any machine that
+    builds the same inputs. `EnginePushClient` is `docker push` through the engine, for an image
+    from the classic builder (`--builder dockerfile`). Both report as dockerd does: a stream of
+    per-layer status items, the digest in an `aux` item, errors as `error` items.
 """
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import re
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 from build.errors import BuildFailure
+from build.oci.image import OCI_MANIFEST, read_layout, sha256_digest
 
-MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json",
-                  "application/vnd.docker.distribution.manifest.v2+json")
-OCI_MANIFEST = MANIFEST_TYPES[0]
+MANIFEST_TYPES = (OCI_MANIFEST, "application/vnd.docker.distribution.manifest.v2+json")
 MAX_DOCUMENT = 4 << 20      # manifests, configs, signatures and attestations are small; refuse a flood
 TIMEOUT = 60
 
@@ -32,10 +44,6 @@ class RegistryError(BuildFailure):
 class Blob:
     digest: str
     data: bytes
-
-
-def sha256_digest(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def _plain_http(registry: str) -> bool:
@@ -198,6 +206,133 @@ def _bounded(answer, what: str) -> bytes:
     return data
 
 
-def canonical(document) -> bytes:
-    """The one JSON encoding of a document this tool writes (sorted keys, no spaces)."""
-    return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+def engine_allows_plain_http(registry: str) -> bool:
+    """Whether the local engine is configured to reach `registry` over plain HTTP (dockerd's
+    `insecure-registries`): a push from the layout follows the same setting `docker push` would."""
+    import ipaddress
+
+    try:
+        from build.engine.docker_engine import DockerEngine
+
+        config = DockerEngine.connect(timeout=10).client.info().get("RegistryConfig") or {}
+    except (BuildFailure, OSError, ValueError):
+        return False
+    if (config.get("IndexConfigs") or {}).get(registry, {}).get("Secure") is False:
+        return True
+    host = registry.rsplit(":", 1)[0].strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    cidrs = config.get("InsecureRegistryCIDRs") or []
+    return any(address in ipaddress.ip_network(cidr, strict=False) for cidr in cidrs)
+
+
+# ---- pushing an image ---------------------------------------------------------------------
+
+class PushClient(Protocol):
+    """What a push needs: the engine's `docker push`, or the layout's through the registry API.
+    Errors during the push arrive as `{"error": ...}` items in the stream (dockerd reports them
+    there, not as HTTP status codes)."""
+
+    def tag(self, image: str, repository: str, tag: str) -> None: ...
+
+    def push(self, repository: str, tag: str) -> Iterable[dict[str, Any]]: ...
+
+    def repo_digests(self, image: str) -> list[str]: ...
+
+    def untag(self, reference: str) -> None: ...
+
+
+class LayoutPushClient:
+    """PushClient for an assembled image: its OCI layout, blob by blob through `Registry`."""
+
+    def __init__(self, layout: Path, registry: Registry, path: str):
+        self.layout, self.registry, self.path = Path(layout), registry, path
+
+    def tag(self, image: str, repository: str, tag: str) -> None:
+        """Nothing to tag: the layout is pushed, not an engine's image."""
+
+    def untag(self, reference: str) -> None:
+        """Nothing was tagged."""
+
+    def repo_digests(self, image: str) -> list[str]:
+        return []
+
+    def push(self, repository: str, tag: str) -> Iterator[dict[str, Any]]:
+        try:
+            manifest, config, layers = read_layout(self.layout)
+            described = json.loads(manifest)["layers"]
+        except (OSError, ValueError, KeyError, IndexError) as exc:
+            yield {"error": f"the OCI layout {self.layout} is unreadable ({exc}): build again"}
+            return
+        try:
+            for blob, entry in zip(layers, described, strict=True):
+                short = entry["digest"][7:19]
+                yield {"status": "Pushing", "id": short}
+                sent = self.registry.put_blob_file(self.path, blob, entry["digest"], entry["size"])
+                yield {"status": "Pushed" if sent else "Layer already exists", "id": short}
+            config_digest = json.loads(manifest)["config"]["digest"]
+            config_path = self.layout / "blobs" / "sha256" / config_digest.removeprefix("sha256:")
+            self.registry.put_blob_file(self.path, config_path, config_digest, len(config))
+            digest = self.registry.put_manifest(self.path, tag, manifest, OCI_MANIFEST)
+        except RegistryError as exc:
+            yield {"error": str(exc)}
+            return
+        yield {"aux": {"Tag": tag, "Digest": digest, "Size": len(manifest)}}
+
+
+class EnginePushClient:
+    """`docker push`: PushClient over the docker SDK's low-level API (the same engine the build used)."""
+
+    def __init__(self, api):
+        self.api = api
+
+    @classmethod
+    def connect(cls) -> EnginePushClient:
+        from build.engine.docker_engine import DockerEngine
+
+        return cls(DockerEngine.connect().client.api)
+
+    def tag(self, image: str, repository: str, tag: str) -> None:
+        with engine_errors("tag"):
+            self.api.tag(image, repository, tag, force=True)
+
+    def push(self, repository: str, tag: str) -> Iterator[dict[str, Any]]:
+        import docker.errors
+
+        with engine_errors("push"):
+            try:
+                yield from self.api.push(repository, tag=tag, stream=True, decode=True)
+            except docker.errors.APIError as exc:   # refused before streaming (bad name, no such image)
+                yield {"error": str(exc.explanation or exc)}
+
+    def repo_digests(self, image: str) -> list[str]:
+        with engine_errors("inspect"):
+            return list(self.api.inspect_image(image).get("RepoDigests") or [])
+
+    def untag(self, reference: str) -> None:
+        import docker.errors
+
+        try:
+            self.api.remove_image(reference)
+        except docker.errors.APIError:
+            pass    # a tag we could not remove costs disk, not correctness
+
+
+@contextmanager
+def engine_errors(what: str) -> Iterator[None]:
+    """dockerd refusing a call, or lost mid-push, is a failure with the engine's words (exit 1)."""
+    import docker.errors
+    import requests.exceptions
+
+    try:
+        yield
+    except docker.errors.APIError as exc:    # an HTTP error from dockerd itself, not from the registry
+        raise BuildFailure(f"docker {what} failed: {exc.explanation or exc}",
+                           "build the image again (something removed it?) and read the dockerd log") from None
+    except requests.exceptions.RequestException as exc:
+        from build.engine.docker_engine import ENGINE_FIX
+
+        raise BuildFailure(f"lost the Docker engine during {what}: {str(exc).split('(Caused by')[0]}",
+                           ENGINE_FIX) from None

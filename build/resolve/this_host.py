@@ -12,7 +12,7 @@ import sys
 
 from build.resolve import BuildPlan, resolve
 from build.spec import ImageSpec, Manifest, PinnedFile, Toolchain
-from build.spec.schema import TorchPin
+from build.spec.shapes import TorchPin
 from contracts.schema import Problems
 
 

@@ -18,10 +18,10 @@ import binascii
 import json
 from dataclasses import dataclass
 
-from build import signing
-from build.attest import DSSE, IN_TOTO, PREDICATE_TYPE, SIGNATURE_ANNOTATION, SIMPLE_SIGNING, artifact_tag, pae
-from build.push import DIGEST, parse_push_target
-from build.registry import Registry, RegistryError
+from build.publish import signing
+from build.publish.attest import DSSE, IN_TOTO, PREDICATE_TYPE, SIGNATURE_ANNOTATION, SIMPLE_SIGNING, artifact_tag, pae
+from build.publish.push import DIGEST, parse_push_target
+from build.publish.registry import Registry, RegistryError
 
 LOCK_LABEL = "io.ftimage.lock.sha256"
 PLAN_LABEL = "io.ftimage.plan-key"
@@ -45,7 +45,7 @@ def split_reference(value: str) -> tuple[str, str]:
     name, at, digest = value.partition("@")
     if at:
         if not re.fullmatch(DIGEST, digest):
-            from build.push import PushReferenceErrors
+            from build.publish.push import PushReferenceErrors
             from contracts.schema import Problem
 
             raise PushReferenceErrors([Problem("verify-image", "digest", f"{digest[:80]!r} is not a sha256 digest",
