@@ -27,6 +27,10 @@ def default_cache_root() -> Path:
     return Path(base) / "ftimage"
 
 
+# A cache made before marker files existed is recognised by its layout, and adopted.
+CACHE_LAYOUT = frozenset({"wheels", "sources", "resolutions", "kernels", "scratch"})
+
+
 @dataclass(frozen=True)
 class CacheLayout:
     root: Path

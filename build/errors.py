@@ -14,7 +14,7 @@ class BuildFailure(Exception):
 
 
 class SigningError(Exception):
-    """A key that cannot be used (exit 2, with the fix). Here, not in build/publish/signing.py, so the CLI can
+    """A key that cannot be used (exit 2, with the fix). Here, not in build/signing.py, so the CLI can
     catch it without importing `cryptography`, which a bare GPU host running `kernels build-here`
     does not have."""
 

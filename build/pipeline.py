@@ -9,18 +9,18 @@ from pathlib import Path
 from typing import Any
 
 from build import kernels as kernel_stage
-from build import outdir
 from build.base.bootstrap import ensure_base
-from build.base.dpkg_status import base_packages
 from build.cache import CacheLayout
-from build.context.render import render_context, source_date_epoch
+from build.context.dpkg_status import base_packages
+from build.context.render import render_context
 from build.engine import Engine, connect
 from build.engine.diskspace import make_room
 from build.oci.runtime_image import assemble_runtime_image, lock_epoch
 from build.oci.venv import LockedWheel, wheels_epoch
 from build.resolve import BuildPlan
+from build.source_date import source_date_epoch
 from build.wheelhouse import fill_wheelhouse
-from contracts import atomic
+from contracts import atomic, folder_guard
 from contracts.events import EventLog
 
 CONTEXT_LABEL = "io.ftimage.context.sha256"
@@ -93,7 +93,7 @@ BUILDERS = ("oci", "dockerfile")
 def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: EventLog,
                 engine: Engine | None = None, force: bool = False, builder: str = "oci") -> BuildReport:
     started = time.monotonic()
-    outdir.claim(out_dir, outdir.OUTPUT_MARKER, what="output folder", option="--out", force=force)
+    folder_guard.claim(out_dir, folder_guard.OUTPUT_MARKER, what="output folder", option="--out", force=force)
     timer = PhaseTimer(log)
     report = BuildReport(image=plan.spec.name, tag=plan.tag, plan_key=plan.plan_key, builder=builder)
     with timer("engine"):

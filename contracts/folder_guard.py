@@ -21,6 +21,11 @@ from pathlib import Path
 
 from contracts import atomic
 
+# The marker file that says which role this tool created or adopted a folder for.
+RENDER_MARKER = ".ftimage-render"
+OUTPUT_MARKER = ".ftimage-output"
+CACHE_MARKER = ".ftimage-cache"
+
 
 class UnsafeFolder(Exception):
     """A folder (or a file in one) is not ours to write or to read through (exit code 2)."""

@@ -36,12 +36,25 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def imports_of(path: Path, name: str, known: set[str]) -> set[str]:
-    """Project modules imported by `path` (explicit import statements, at any depth)."""
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of import nodes inside `if TYPE_CHECKING:` blocks: names for annotations, never run."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            skipped |= {id(inner) for stmt in node.body for inner in ast.walk(stmt)}
+    return skipped
+
+
+def imports_of(path: Path, name: str, known: set[str], *, runtime_only: bool = False) -> set[str]:
+    """Project modules imported by `path` (explicit import statements, at any depth; with
+    runtime_only, not those under `if TYPE_CHECKING:`)."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    skipped = _type_checking_only(tree) if runtime_only else set()
     found = set()
     for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         targets = []
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
@@ -59,10 +72,10 @@ def imports_of(path: Path, name: str, known: set[str]) -> set[str]:
     return found
 
 
-def graph() -> dict[str, set[str]]:
+def graph(*, runtime_only: bool = False) -> dict[str, set[str]]:
     mods = modules()
     known = set(mods)
-    return {name: imports_of(path, name, known) for name, path in mods.items()}
+    return {name: imports_of(path, name, known, runtime_only=runtime_only) for name, path in mods.items()}
 
 
 def test_parts_depend_one_way():
@@ -117,7 +130,7 @@ def folder_of(name: str) -> str:
 
 def test_no_import_cycles_between_folders():
     edges: dict[str, set[str]] = {}
-    for name, targets in graph().items():
+    for name, targets in graph(runtime_only=True).items():
         here = folder_of(name)
         edges.setdefault(here, set()).update(folder_of(t) for t in targets if folder_of(t) != here
                                              and t.split(".")[0] == name.split(".")[0])

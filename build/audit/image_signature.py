@@ -18,7 +18,7 @@ import binascii
 import json
 from dataclasses import dataclass
 
-from build.publish import signing
+from build import signing
 from build.publish.attest import DSSE, IN_TOTO, PREDICATE_TYPE, SIGNATURE_ANNOTATION, SIMPLE_SIGNING, artifact_tag, pae
 from build.publish.push import DIGEST, parse_push_target
 from build.publish.registry import Registry, RegistryError

@@ -46,7 +46,7 @@ def base_epoch(rootfs: Path) -> int:
     epoch = release_epoch(rootfs)
     env = os.environ.get("SOURCE_DATE_EPOCH")
     if env is not None:
-        from build.context.render import parse_epoch
+        from build.source_date import parse_epoch
 
         epoch = min(epoch, parse_epoch(env))
     return epoch

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from build import outdir
-from build.cache import CacheLayout, default_cache_root
+from build.cache import CACHE_LAYOUT, CacheLayout, default_cache_root
+from contracts import folder_guard
 
 EXIT_OK, EXIT_BUILD_FAILED, EXIT_BAD_SPEC, EXIT_REFUSED = 0, 1, 2, 3
 
@@ -60,9 +60,10 @@ def add_common_options(p: argparse.ArgumentParser) -> None:
 def open_cache(path: Path | None, *, force: bool = False, write: bool = True) -> CacheLayout:
     root = Path(path or default_cache_root())
     if write:
-        outdir.claim(root, outdir.CACHE_MARKER, what="cache folder", option="--cache or FTIMAGE_CACHE", force=force)
+        folder_guard.claim(root, folder_guard.CACHE_MARKER, what="cache folder", option="--cache or FTIMAGE_CACHE",
+                           force=force, adopt_layout=CACHE_LAYOUT)
     elif root.exists() and not root.is_dir():
-        raise outdir.UnsafeDirectory(f"cache folder {root} is a file", "point FTIMAGE_CACHE at a folder")
+        raise folder_guard.UnsafeFolder(f"cache folder {root} is a file", "point FTIMAGE_CACHE at a folder")
     cache = CacheLayout(root)
     if write:
         cache.sweep_scratch()

@@ -7,9 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from build import outdir
 from build.cli.common import EXIT_OK, EXIT_REFUSED, add_common_options, open_cache
 from build.errors import BuildFailure
+from contracts import folder_guard
 from contracts.events import EventLog
 
 
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
     from build.kernels.store import KernelStore
 
     if args.action == "fetch":
-        from build.kernels.sources import fetch_pinned
+        from build.kernels.pinned_sources import fetch_pinned
         from build.resolve import load_plan
         from build.spec import MANIFEST_PATH
 
@@ -80,12 +80,12 @@ def main(argv: list[str]) -> int:
             print(f"{state.key[:16]}  {m['kernel']} {m['version']}  {m['wheel']}  archs={','.join(m['archs']['sass'])}"
                   f"  compiled in {m.get('duration_s', '?')}s")
         return EXIT_OK
+    from build import signing
     from build.kernels import portable
-    from build.publish import signing
 
     if args.action == "export":
         key = signing.load_private_key(args.sign) if args.sign else None
-        outdir.claim(args.directory, outdir.OUTPUT_MARKER, what="export folder", option="kernels export",
+        folder_guard.claim(args.directory, folder_guard.OUTPUT_MARKER, what="export folder", option="kernels export",
                      force=args.force)
         keys, skipped = portable.export(store, args.directory, sign_key=key)
         print(f"exported {len(keys)} entries to {args.directory}"
@@ -119,7 +119,7 @@ def _check(args, log: EventLog) -> int:
 
 
 def _build_here(args, log: EventLog) -> int:
-    from build.kernels.build_here import build_here
+    from build.build_here import build_here
     from build.resolve.this_host import host_arch
     from build.spec import MANIFEST_PATH
 

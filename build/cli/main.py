@@ -1,7 +1,7 @@
 """`python -m build`: a thin CLI over the build library. This module reads the command word and
 maps failures to exit codes; each command lives in its own module (the list: EPILOG, common.py):
 
-    IMAGE_DIR ...              image.py     plan, render, build, push, sign, deploy examples
+    IMAGE_DIR ...              build_command.py plan, render, build, push, sign, deploy examples
     kernels ...                kernels.py   the kernel cache, export/import, fetch, check, build-here
     bases ... | bootstrap-base bases.py     deb locks and bootstrapped bases
     verify-image REF           here         a pushed image's signature and attestation (build/audit)
@@ -18,11 +18,11 @@ import os
 import sys
 from pathlib import Path
 
-from build import outdir
-from build.cli import bases, image, kernels
+from build.cli import bases, build_command, kernels
 from build.cli.common import EXIT_BAD_SPEC, EXIT_BUILD_FAILED, EXIT_OK, EXIT_REFUSED
 from build.errors import BuildFailure, SigningError
 from build.kernels.portable import ImportRefused
+from contracts import folder_guard
 from contracts.schema import InvalidInput
 
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if "SOURCE_DATE_EPOCH" in os.environ:   # refused before any work, not when the labels are rendered
-            from build.context.render import parse_epoch
+            from build.source_date import parse_epoch
 
             parse_epoch(os.environ["SOURCE_DATE_EPOCH"])
         if argv and argv[0] == "bootstrap-base":
@@ -45,11 +45,11 @@ def main(argv: list[str] | None = None) -> int:
             from build.audit.reproducible import main as verify_reproducible
 
             return verify_reproducible(argv[1:])
-        return image.main(argv)
+        return build_command.main(argv)
     except InvalidInput as exc:
         print(exc.render(), file=sys.stderr)
         return EXIT_BAD_SPEC
-    except outdir.UnsafeDirectory as exc:
+    except folder_guard.UnsafeFolder as exc:
         print(f"error: {exc}\n    fix: {exc.fix}", file=sys.stderr)
         return EXIT_BAD_SPEC
     except SigningError as exc:
@@ -74,8 +74,8 @@ def _verify_image(argv: list[str]) -> int:
     p.add_argument("--key", type=Path, required=True, help="the signer's P-256 public key (PEM)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    from build import signing
     from build.audit.image_signature import render, verify_image
-    from build.publish import signing
 
     rows = verify_image(args.reference, signing.load_public_key(args.key))
     ok = all(r.passed for r in rows) and len(rows) == 4

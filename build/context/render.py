@@ -12,24 +12,23 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.utils import parse_wheel_filename
 
-from build import outdir
-from build.base.dpkg_status import DebPackage
 from build.cache import CacheLayout, link_or_copy, sha256_file
+from build.context import render_target
+from build.context.dpkg_status import DebPackage
 from build.context.lockfile import make_lock
 from build.context.sbom import render_sbom
-from build.context.templating import render_template
 from build.kernels.wheel import KernelWheel
 from build.resolve import BuildPlan
+from build.source_date import source_date_epoch
 from build.spec import REPO_ROOT
+from build.templating import render_template
 from build.wheelhouse import Wheel, requirements_lock
 from contracts.lock import LOCK_PATH, BuildLock
-from contracts.schema import InvalidInput, Problem, short
 
 # What runs in the image, and nothing else: no tests, no fixtures, no dev tools.
 APP_PACKAGES = ("contracts", "families", "verify", "entrypoint")
@@ -47,40 +46,6 @@ class RenderedContext:
     labels: dict[str, str]
     digest: str
     files: int
-
-
-MAX_EPOCH = 2 ** 32   # 2106: a sane timestamp; a larger one overflows tar headers and datetime
-
-
-class BadEpoch(InvalidInput):
-    title = "the environment"
-
-
-def parse_epoch(text: str) -> int:
-    """SOURCE_DATE_EPOCH as the reproducible-builds spec defines it: ASCII digits only (`isdigit`
-    also accepts '²', which int() refuses), within 0..2^32. Anything else is exit 2, never a
-    silent fallback to another time."""
-    if not text or len(text) > 10 or not all("0" <= c <= "9" for c in text) or int(text) > MAX_EPOCH:
-        raise BadEpoch([Problem("environment", "SOURCE_DATE_EPOCH", f"{short(text)} is not a Unix time in seconds "
-                                f"(ASCII digits, 0..{MAX_EPOCH})",
-                                "unset it (the build uses HEAD's commit time), or set it to e.g. "
-                                "$(git log -1 --format=%ct)", "bad-epoch")])
-    return int(text)
-
-
-def source_date_epoch() -> int:
-    """SOURCE_DATE_EPOCH if set; else the commit time of HEAD, so a checkout renders reproducibly."""
-    env = os.environ.get("SOURCE_DATE_EPOCH")
-    if env is not None:
-        return parse_epoch(env)
-    try:
-        out = subprocess.run(["git", "-C", str(REPO_ROOT), "log", "-1", "--format=%ct"], capture_output=True,
-                             text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.strip().isdigit():
-            return int(out.stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return 0
 
 
 def render_dockerfile(plan: BuildPlan, base_refs: dict[str, str], epoch: int) -> str:
@@ -120,17 +85,17 @@ def render_context(plan: BuildPlan, directory: Path, *, wheels: tuple[Wheel, ...
                    base_ids: dict[str, str] | None = None, epoch: int | None = None,
                    base_packages: tuple[DebPackage, ...] = (), force: bool = False,
                    sbom_epoch: int | None = None) -> RenderedContext:
-    """Write the context into `directory` (see build/outdir.py for what may be replaced there).
+    """Write the context into `directory` (see render_target.py for what may be replaced there).
     Wheels are hard-linked from the cache."""
     epoch = source_date_epoch() if epoch is None else epoch
     base_refs = base_refs or {"builder": plan.spec.builder_base.describe(),
                               "runtime": plan.spec.runtime_base.describe()}
-    staging = outdir.staging_beside(directory)
+    staging = render_target.staging_beside(directory)
     try:
         lock, labels, inputs = _write(plan, staging, wheels, cache, kernel_wheels, base_refs, base_ids or {}, epoch,
                                       base_packages, epoch if sbom_epoch is None else sbom_epoch)
         context_digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
-        outdir.publish_render(staging, directory, force=force)
+        render_target.publish_render(staging, directory, force=force)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     _normalise_mtimes(directory, epoch)

@@ -12,12 +12,12 @@ from cyclonedx.model.dependency import Dependency
 from cyclonedx.output.json import JsonV1Dot5
 from packageurl import PackageURL
 
-from build.base.dpkg_status import DebPackage
+from build.context.dpkg_status import DebPackage
 from contracts.lock import BuildLock
 
 
 def render_sbom(lock: BuildLock, source_date_epoch: int, base_packages: tuple[DebPackage, ...] = ()) -> str:
-    """`base_packages`: the Debian packages of the runtime base (build/base/dpkg_status.py), read from its dpkg
+    """`base_packages`: the Debian packages of the runtime base (build/context/dpkg_status.py), read from its dpkg
     database; the base itself is named by the image ID the lock records."""
     # Deterministic serial number and timestamp: equal locks give byte-identical SBOMs.
     bom = Bom(serial_number=uuid.uuid5(uuid.NAMESPACE_URL, f"ftimage:{lock.plan_key}"))

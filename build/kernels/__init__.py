@@ -17,7 +17,7 @@ from build.cache import CacheLayout
 from build.engine import Engine
 from build.errors import BuildFailure
 from build.kernels.compile import compile_kernel, parallel_jobs
-from build.kernels.sources import fetch_pinned
+from build.kernels.pinned_sources import fetch_pinned
 from build.kernels.store import KernelStore
 from build.kernels.wheel import KernelWheel
 from build.kernels.wheel_checks import (

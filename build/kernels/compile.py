@@ -14,12 +14,11 @@ import time
 from pathlib import Path
 
 from build.cache import CacheLayout, link_or_copy, sha256_file
-from build.context.templating import render_template
 from build.engine import Engine
 from build.errors import BuildFailure
 from build.kernels.archs import archs_of_wheel
+from build.kernels.pinned_sources import fetch_pinned
 from build.kernels.progress import CompileProgress
-from build.kernels.sources import fetch_pinned
 from build.kernels.store import KernelEntry, KernelStore
 from build.kernels.wheel_checks import (
     CHECK_SCRIPT,
@@ -33,6 +32,7 @@ from build.kernels.wheel_checks import (
 )
 from build.resolve import BuildPlan, KernelPlan, digest
 from build.spec import REPO_ROOT
+from build.templating import render_template
 from build.wheelhouse import requirements_lock, resolve_closure
 from contracts.events import EventLog
 

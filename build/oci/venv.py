@@ -75,7 +75,7 @@ def capped(epoch: int) -> int:
     env = os.environ.get("SOURCE_DATE_EPOCH")
     if env is None:
         return epoch
-    from build.context.render import parse_epoch
+    from build.source_date import parse_epoch
 
     return min(epoch, parse_epoch(env))
 

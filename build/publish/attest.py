@@ -18,8 +18,8 @@ import base64
 import json
 from dataclasses import dataclass
 
+from build import signing
 from build.oci.image import OCI_MANIFEST, canonical, sha256_digest
-from build.publish import signing
 from build.publish.registry import Registry
 
 SIMPLE_SIGNING = "application/vnd.dev.cosign.simplesigning.v1+json"

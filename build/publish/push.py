@@ -214,9 +214,9 @@ def push_image(report: BuildReport, target: PushTarget, *, out_dir: Path, log: E
 def _sign(record: PushRecord, report: BuildReport, target: PushTarget, key, log: EventLog) -> PushRecord:
     from dataclasses import replace
 
-    from build.context.render import source_date_epoch
-    from build.publish import signing
+    from build import signing
     from build.publish.attest import Provenance, sign_and_attest
+    from build.source_date import source_date_epoch
 
     provenance = Provenance(image=report.image, plan_key=report.plan_key, lock_sha256=report.lock_sha256,
                             source_date_epoch=source_date_epoch(), commit=_commit(), tool_version=_tool_version())

@@ -43,7 +43,7 @@ def test_hadolint_catches_a_real_error(tmp_path):
 
 
 def test_template_is_strict_about_undefined_variables():
-    from build.context.templating import TEMPLATES
+    from build.templating import TEMPLATES
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined)
     with pytest.raises(jinja2.UndefinedError):
         env.get_template("Dockerfile.j2").render(image="x")
@@ -128,7 +128,7 @@ def test_render_cli_writes_a_context(tmp_path, monkeypatch, run_cli):
 
 
 def test_builder_dockerfile_passes_hadolint(tmp_path):
-    from build.context.templating import render_template
+    from build.templating import render_template
     dockerfile = tmp_path / "Dockerfile"
     dockerfile.write_text(render_template("Dockerfile.builder.j2", builder_base="ftimage-base/b:1",
                                           venv="/opt/builder/venv", cuda_pip_dir="cu13"))

@@ -19,7 +19,7 @@ def test_a_bad_source_date_epoch_is_exit_2_never_a_silent_fallback(value):
 
 @pytest.mark.parametrize("value, epoch", [("0", 0), ("1700000000", 1700000000), ("4294967296", 4294967296)])
 def test_a_good_source_date_epoch_is_used(value, epoch):
-    from build.context.render import parse_epoch
+    from build.source_date import parse_epoch
 
     assert parse_epoch(value) == epoch
 

@@ -150,7 +150,8 @@ def test_cache_paths_never_leave_the_cache(tmp_path):
 
 
 def test_render_into_a_foreign_folder_deletes_nothing(tmp_path):
-    from build import outdir
+    from build.context import render_target
+    from contracts import folder_guard
 
     dest = tmp_path / "checkout"
     (dest / ".git").mkdir(parents=True)
@@ -158,14 +159,14 @@ def test_render_into_a_foreign_folder_deletes_nothing(tmp_path):
     staging = tmp_path / "staging"
     staging.mkdir()
     (staging / "Dockerfile").write_text("FROM x\n")
-    with pytest.raises(outdir.UnsafeDirectory) as info:
-        outdir.publish_render(staging, dest)
+    with pytest.raises(folder_guard.UnsafeFolder) as info:
+        render_target.publish_render(staging, dest)
     assert "--force" in info.value.fix
     assert sorted(p.name for p in dest.iterdir()) == [".git", "mine.txt"]
     # --force writes the context files beside the user's, deleting nothing
     staging.mkdir()
     (staging / "Dockerfile").write_text("FROM x\n")
-    outdir.publish_render(staging, dest, force=True)
+    render_target.publish_render(staging, dest, force=True)
     assert (dest / "mine.txt").read_text() == "keep" and (dest / ".git").is_dir() and (dest / "Dockerfile").exists()
 
 
@@ -191,15 +192,15 @@ def test_out_cache_and_render_refuse_a_file_or_a_foreign_folder(ws, run_cli, tmp
 
 
 def test_claim_refuses_a_symlink_and_adopts_an_empty_folder(tmp_path):
-    from build import outdir
+    from contracts import folder_guard
 
     real = tmp_path / "real"
     real.mkdir()
     (tmp_path / "link").symlink_to(real)
-    with pytest.raises(outdir.UnsafeDirectory):
-        outdir.claim(tmp_path / "link", outdir.OUTPUT_MARKER, what="output folder", option="--out")
-    outdir.claim(real, outdir.OUTPUT_MARKER, what="output folder", option="--out")
-    assert (real / outdir.OUTPUT_MARKER).is_file()
+    with pytest.raises(folder_guard.UnsafeFolder):
+        folder_guard.claim(tmp_path / "link", folder_guard.OUTPUT_MARKER, what="output folder", option="--out")
+    folder_guard.claim(real, folder_guard.OUTPUT_MARKER, what="output folder", option="--out")
+    assert (real / folder_guard.OUTPUT_MARKER).is_file()
 
 
 # ---- fuzz: hostile strings anywhere in a valid spec ---------------------------------------

@@ -16,9 +16,10 @@ import pytest
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from build import signing
 from build.audit.image_signature import verify_image
 from build.oci.image import canonical, sha256_digest
-from build.publish import attest, signing
+from build.publish import attest
 from build.publish.registry import Registry
 from tests.fixtures.keys import write_p256_pair, write_rsa_key
 from tests.fixtures.registry import Registry as RegistryProcess

@@ -201,11 +201,12 @@ def test_concurrent_first_builds_into_one_fresh_out_folder_are_never_refused(tmp
     results = ctx.Queue()
 
     def build(target: str) -> None:
-        from build import outdir
+        from contracts import folder_guard
 
         try:
             for i in range(50):
-                outdir.claim(Path(target) / f"img{i}", outdir.OUTPUT_MARKER, what="output folder", option="--out")
+                folder_guard.claim(Path(target) / f"img{i}", folder_guard.OUTPUT_MARKER, what="output folder",
+                                   option="--out")
             results.put("ok")
         except Exception as exc:  # noqa: BLE001 - reported to the parent
             results.put(f"{type(exc).__name__}: {exc}")

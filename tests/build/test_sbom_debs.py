@@ -8,7 +8,7 @@ import pytest
 
 from build import pipeline
 from build.base.bootstrap import base_tag
-from build.base.dpkg_status import DPKG_STATUS, DebPackage, parse_dpkg_status
+from build.context.dpkg_status import DPKG_STATUS, DebPackage, parse_dpkg_status
 from tests.build.test_pipeline_logic import QUIET, engine_with_bases, smoke  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.unit

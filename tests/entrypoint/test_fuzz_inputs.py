@@ -146,7 +146,7 @@ def signed_export(workspace):
     from build.cache import CacheLayout
     from build.kernels import portable
     from build.kernels.store import KernelStore
-    from build.publish.signing import load_private_key, load_public_key
+    from build.signing import load_private_key, load_public_key
     from tests.build.test_kernel_import import _entry
     from tests.fixtures.keys import write_p256_pair
 

@@ -18,14 +18,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from build import outdir, proc
+from build import proc
 from build.cache import CacheLayout, sha256_file
 from build.context.lockfile import make_lock
 from build.errors import BuildFailure
 from build.kernels.archs import archs_of_wheel
 from build.kernels.compile import RECIPE, parallel_jobs, stage_inputs
+from build.kernels.pinned_sources import fetch_pinned
 from build.kernels.progress import CompileProgress
-from build.kernels.sources import fetch_pinned
 from build.kernels.wheel import KernelWheel
 from build.kernels.wheel_checks import (
     CheckRow,
@@ -39,7 +39,7 @@ from build.kernels.wheel_checks import (
 from build.resolve import BuildPlan, KernelPlan
 from build.resolve.this_host import resolve_for_host
 from build.spec import SpecErrors, load_image_spec, load_manifest
-from contracts import atomic
+from contracts import atomic, folder_guard
 from contracts.events import EventLog
 from contracts.lock import LockedPackage
 from contracts.schema import Problems
@@ -126,7 +126,7 @@ def build_here(image_dir: Path, *, manifest_path: Path, cache: CacheLayout, out:
                log: EventLog, cores: int | None = None, install: Path | None = None, lock_path: Path | None = None,
                force: bool = False) -> dict:
     plan = plan_here(image_dir, manifest_path, archs)
-    outdir.claim(out, outdir.OUTPUT_MARKER, what="output folder", option="--out", force=force)
+    folder_guard.claim(out, folder_guard.OUTPUT_MARKER, what="output folder", option="--out", force=force)
     (out / "wheels").mkdir(exist_ok=True)
     compiled = [k for k in plan.kernels if k.compiled]
     jobs = split_jobs(compiled, cores or os.cpu_count() or 1)

@@ -6,9 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
-from build import outdir
 from build.cache import CacheLayout
 from build.cli.common import EPILOG, EXIT_OK, add_common_options, open_cache
+from build.context import render_target
 from build.errors import SigningError
 from contracts.events import EventLog
 
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     if args.sign and push_target is None:
         raise SigningError("--sign signs what --push pushes, and there is no --push",
                            "add --push REGISTRY/REPO, or drop --sign")
-    from build.publish import signing
+    from build import signing
 
     sign_key = signing.load_private_key(args.sign) if args.sign else None   # a bad key: exit 2, before any work
     from build.resolve import load_plan
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
         print(render_example(plan, out_dir, args.deploy_example), end="")
         return EXIT_OK
     if args.render:
-        outdir.check_render_target(args.render, force=args.force)
+        render_target.check_render_target(args.render, force=args.force)
     cache = open_cache(args.cache, force=args.force)
     if args.render:
         from build.context.render import render_context
