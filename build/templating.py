@@ -1,4 +1,4 @@
-"""Render build/context/templates/<name> with Jinja2: the Dockerfiles (the image's, for the
+"""Render build/templates/<name> with Jinja2: the Dockerfiles (the image's, for the
 classic builder, and the kernel builder's, build/kernels/compile.py) and the gate script.
 StrictUndefined makes a missing variable an error instead of empty text, and every value that
 reaches a template has already passed the spec's grammars (build/spec/shapes.py)."""
