@@ -1,7 +1,10 @@
 """`python -m build verify-reproducible IMAGE_DIR`: build the image twice and prove both builds
 give the same image.
 
-Each build runs from its own fresh clone of HEAD, with its own fresh cache and output folder.
+Each build runs from its own fresh clone of HEAD, with its own fresh cache and output folder
+(`--kernels-from` and `--inputs-from` may seed both caches with the same compiled kernels and
+downloads, which are kept by content; the resolution, the base, the layers and the image are
+still made twice).
 The second one also runs under umask 077, another time zone and, where this process may
 create a UTS namespace (root with `unshare`), another host name. Compared: the image ID, every
 layer's diffID, the manifest digest, the lock's sha256 and, with `--push-to`, the digest the
@@ -159,14 +162,29 @@ def _can_unshare() -> bool:
     return subprocess.run(["unshare", "-u", "true"], capture_output=True, timeout=30).returncode == 0
 
 
+# Downloads the cache keeps by content (each file re-hashed against its pin when used): sharing
+# them changes no byte of what is built, only skips fetching the same bytes twice.
+DOWNLOADED_INPUTS = ("wheels", "sources", "debs")
+
+
+def _share(source: Path, dest: Path) -> None:
+    """Hard links where source and dest share a filesystem, a copy where they do not."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    linked = subprocess.run(["cp", "-al", str(source), str(dest)], capture_output=True, timeout=600)
+    if linked.returncode != 0:
+        shutil.rmtree(dest, ignore_errors=True)
+        subprocess.run(["cp", "-a", str(source), str(dest)], check=True, capture_output=True, timeout=1200)
+
+
 def _build(clone: Path, image_rel: str, work: Path, label: str, *, umask: int, tz: str, hostname: str | None,
-           kernels_from: Path | None, log_to) -> BuildResult:
+           kernels_from: Path | None, inputs_from: Path | None, log_to) -> BuildResult:
     cache, out = work / f"cache-{label}", work / f"out-{label}"
     if kernels_from is not None and (kernels_from / "kernels").is_dir():
         # compiled kernels are shared on purpose: nvcc's output is not the subject of this check
-        cache.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["cp", "-al", str(kernels_from / "kernels"), str(cache / "kernels")], check=True,
-                       capture_output=True, timeout=600)
+        _share(kernels_from / "kernels", cache / "kernels")
+    for name in DOWNLOADED_INPUTS if inputs_from is not None else ():
+        if (inputs_from / name).is_dir() and not (inputs_from / name).is_symlink():
+            _share(inputs_from / name, cache / name)
     command = [sys.executable, "-m", "build", image_rel, "--cache", str(cache), "--out", str(out), "--json"]
     conditions = f"umask {umask:03o}, TZ={tz}"
     shell = f"umask {umask:03o}; exec \"$@\""
@@ -214,6 +232,9 @@ def main(argv: list[str]) -> int:
                    "and repro-b) and compare the registry's digests")
     p.add_argument("--kernels-from", type=Path, metavar="CACHE", help="share this cache's compiled kernels with "
                    "both builds (hard links): compiling kernels twice is slow and nvcc's output is out of scope")
+    p.add_argument("--inputs-from", type=Path, metavar="CACHE", help="share this cache's downloads (wheels, "
+                   "kernel sources, .debs; all pinned by sha256) with both builds: the resolution, the base, every "
+                   "layer and the image are still made from scratch twice")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     image_dir = args.image_dir.resolve()
@@ -240,7 +261,8 @@ def main(argv: list[str]) -> int:
         for label, umask, tz, host in (("A", 0o022, "UTC", None), ("B", 0o077, SECOND_BUILD_TZ, other_host)):
             clone = _clone(work, f"clone-{label}")
             results.append(_build(clone, rel, work, label, umask=umask, tz=tz, hostname=host,
-                                  kernels_from=args.kernels_from, log_to=sys.stderr))
+                                  kernels_from=args.kernels_from, inputs_from=args.inputs_from,
+                                  log_to=sys.stderr))
         if target is not None:
             for result in results:
                 _push(result, target)

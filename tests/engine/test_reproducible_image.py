@@ -25,9 +25,14 @@ def registry(tmp_path_factory):
     running.stop()
 
 
-def test_two_fresh_clones_under_other_conditions_build_and_push_one_image(engine, registry, tmp_path):
+def test_two_fresh_clones_under_other_conditions_build_and_push_one_image(engine, registry, smoke_build, tmp_path):
+    from build.cache import default_cache_root
+
     work = tmp_path / "work"
+    # the session's smoke build has downloaded the pinned wheels and .debs once; both builds share
+    # those bytes and make everything else (resolution, base, layers, image) from scratch
     proc = run_build_cli("verify-reproducible", "images/smoke", "--work", str(work), "--json",
+                         "--inputs-from", str(default_cache_root()),
                          "--push-to", f"{registry.address}/ftimage/repro", timeout=3000)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     result = json.loads(proc.stdout)
@@ -40,7 +45,8 @@ def test_two_fresh_clones_under_other_conditions_build_and_push_one_image(engine
     assert a["diff_ids"] == b["diff_ids"] and len(a["diff_ids"]) == 4
     assert a["lock_sha256"] == b["lock_sha256"]
     assert a["pushed_digest"] == b["pushed_digest"] == a["manifest_digest"]
-    assert (work / "cache-A").is_dir() and (work / "cache-B").is_dir()   # two caches, each filled from scratch
+    for label in "AB":   # two caches, each with its own resolution, base and layers made from scratch
+        assert (work / f"cache-{label}" / "resolutions").is_dir() and (work / f"cache-{label}" / "layers").is_dir()
     assert (work / "clone-A" / ".git").is_dir() and (work / "clone-B" / ".git").is_dir()
     inspected = engine.image(a["image_id"])
     assert inspected is not None and inspected["Id"] == a["image_id"]
