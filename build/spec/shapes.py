@@ -267,7 +267,7 @@ class Manifest:
 
 @dataclass(frozen=True, kw_only=True)
 class BootstrapBase:
-    """A Debian base built locally with debootstrap and `docker import` (no registry)."""
+    """A Debian base built locally with debootstrap, written as an image by this tool and loaded (no registry)."""
     name: str = field(metadata=rule(pattern=IMAGE_NAME, pattern_fix="use lowercase letters, digits, '.', '_', '-'"))
     suite: str = field(metadata=rule(pattern=r"[a-z]{2,20}", pattern_fix="name a Debian suite, e.g. bookworm"))
     variant: Literal["minbase", "buildd"] = "minbase"
