@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
 def bootstrap_base(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m build bootstrap-base",
                                 description="Build a base image locally with debootstrap, written as an image "
-                                            "archive and loaded (idempotent: a base with the same spec hash is reused).")
+                                            "archive and loaded (idempotent: one of the same spec hash is reused).")
     p.add_argument("base_dir", type=Path, help="e.g. images/_bases/debian-bookworm")
     add_common_options(p)
     args = p.parse_args(argv)
