@@ -76,7 +76,7 @@ def render_example(plan: BuildPlan, out_dir: Path, kind: str) -> str:
     """The `kind` example (a key of TEMPLATES) for the image pushed from out_dir's build."""
     if kind not in TEMPLATES:
         raise BuildFailure(f"no deploy example {kind!r}", f"use one of: {', '.join(TEMPLATES)}")
-    values = vars(example_values(plan, read_push_record(Path(out_dir), plan)))
+    values = dict(vars(example_values(plan, read_push_record(Path(out_dir), plan))))
     if kind in TRAINJOBS:
         values |= trainjob_values(values["runtime_name"], TRAINJOBS[kind])
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(DEPLOY_DIR), undefined=jinja2.StrictUndefined,
