@@ -12,6 +12,9 @@ from build.context import render_target
 from build.errors import SigningError
 from contracts.events import EventLog
 
+# the keys of build.publish.deploy_examples.TEMPLATES (imported only when one is rendered)
+DEPLOY_EXAMPLES = ("k8s-runtime", "k8s-trainjob", "k8s-trainjob-trl", "k8s", "slurm")
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -23,8 +26,9 @@ def parser() -> argparse.ArgumentParser:
     mode.add_argument("--render", metavar="DIR", type=Path, help="write the build context to DIR and exit")
     mode.add_argument("--kernels-only", action="store_true",
                       help="compile (or find in the cache) and check the plan's kernels, build no image")
-    mode.add_argument("--deploy-example", choices=("k8s", "slurm"),
-                      help="render a deploy example for the pushed image (after --push)")
+    mode.add_argument("--deploy-example", choices=DEPLOY_EXAMPLES,
+                      help="render a deploy example for the pushed image (after --push): k8s-runtime, "
+                           "k8s-trainjob, k8s-trainjob-trl (Kubeflow Trainer v2), k8s (legacy PyTorchJob), slurm")
     p.add_argument("--push", metavar="REPOSITORY", help="after the build, push to REGISTRY/REPO (e.g. "
                    "registry.example.com:5000/team/qwen27b) and record the digest")
     p.add_argument("--sign", metavar="KEY", type=Path, help="with --push: sign the pushed digest and attest its "

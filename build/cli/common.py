@@ -25,8 +25,9 @@ commands:
                                 zone and host name) and compare image ID, diffIDs and manifest digest
   verify-image REF --key PUB    check an image in a registry: signature, attestation, lock label
                                 (exit 3 if any is refused)
-  IMAGE_DIR --deploy-example {k8s,slurm}
-                                render a deploy example for the pushed image, pinned by digest
+  IMAGE_DIR --deploy-example {k8s-runtime,k8s-trainjob,k8s-trainjob-trl,k8s,slurm}
+                                render a deploy example for the pushed image, pinned by digest:
+                                Kubeflow Trainer v2 runtime and TrainJobs, legacy PyTorchJob, sbatch
   bootstrap-base BASE_DIR       debootstrap a base from images/_bases/<base>/base.yaml (from its deb lock)
   bases update BASE_DIR         re-pin the base's .debs from the mirror's signed index (a reviewed change)
   bases export DIR | import DIR carry the locked .debs to a machine with no mirror (import re-hashes)

@@ -1,6 +1,8 @@
-"""`--deploy-example k8s|slurm`: render (print) the Kubernetes PyTorchJob or Slurm example of
-deploy/ for the image this build pushed, pinned by the digest build-report.json recorded. It
-deploys nothing: `python -m build IMAGE_DIR --deploy-example KIND` prints the rendered example.
+"""`--deploy-example KIND`: render (print) an example of deploy/ for the image this build pushed,
+pinned by the digest build-report.json recorded: the Kubeflow Trainer v2 ClusterTrainingRuntime
+(k8s-runtime) and TrainJobs on it (k8s-trainjob: our finetune; k8s-trainjob-trl: a TRL script),
+the legacy Training Operator PyTorchJob (k8s) or the Slurm script (slurm). It deploys nothing:
+`python -m build IMAGE_DIR --deploy-example KIND` prints the rendered example.
 
 The report is a file on disk, so every value read from it is checked against the same grammars
 the push used (digest, repository) before it reaches a YAML document or a bash script; the
@@ -23,8 +25,29 @@ from build.spec import REPO_ROOT
 from contracts.schema import InvalidInput, Problem
 
 DEPLOY_DIR = REPO_ROOT / "deploy"
-TEMPLATES = {"k8s": "kubernetes/pytorchjob.yaml.j2", "slurm": "slurm/finetune.sbatch.j2"}
+TEMPLATES = {"k8s-runtime": "kubernetes/clustertrainingruntime.yaml.j2",
+             "k8s-trainjob": "kubernetes/trainjob.yaml.j2",
+             "k8s-trainjob-trl": "kubernetes/trainjob.yaml.j2",
+             "k8s": "kubernetes/pytorchjob.yaml.j2",          # legacy: Kubeflow deprecated kubeflow.org/v1
+             "slurm": "slurm/finetune.sbatch.j2"}
 DNS_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,38}[a-z0-9])?"   # short enough for "<job>-worker-<n>" pod names
+# A TrainJob's name: an RFC 1035 label (the Trainer's rule), at most 47 characters so that its
+# pods' host names, <name>-node-0-<index>, stay within 63.
+TRAINJOB_NAME = r"[a-z](?:[-a-z0-9]{0,45}[a-z0-9])?"
+QUEUE_PLACEHOLDER = "user-queue"   # the Kueue LocalQueue the TrainJobs name: the user edits it
+
+
+@dataclass(frozen=True)
+class TrainJobKind:
+    """What one TrainJob example runs: ours (finetune) or a TRL script."""
+    trainer: str          # finetune | trl
+    name_suffix: str      # after the runtime's name
+    configmap: str        # what /config holds
+    num_nodes: int
+
+
+TRAINJOBS = {"k8s-trainjob": TrainJobKind("finetune", "", "ftimage-finetune", 3),
+             "k8s-trainjob-trl": TrainJobKind("trl", "-trl", "ftimage-trl", 2)}
 RECORD_FIELDS = ("repository", "tag", "digest", "reference")
 
 
@@ -41,19 +64,31 @@ class ExampleValues:
     enroot_image: str     # REGISTRY#REPO@sha256:..., as enroot/pyxis write it (registry before '#')
     image_name: str       # images/<name>
     job_name: str         # a DNS label for the PyTorchJob and its pods
+    runtime_name: str     # the ClusterTrainingRuntime's name (the same label)
+    queue_name: str       # the Kueue LocalQueue label value of the TrainJobs (a DNS label)
+    trl_locked: bool      # whether the image's python.requirements hold trl
     uid: int              # the image's fixed non-root user
     gid: int
     stop_grace_seconds: int   # launch.stop_grace_seconds of the image's finetune defaults
 
 
 def render_example(plan: BuildPlan, out_dir: Path, kind: str) -> str:
-    """The `kind` example (k8s or slurm) for the image pushed from out_dir's build."""
+    """The `kind` example (a key of TEMPLATES) for the image pushed from out_dir's build."""
     if kind not in TEMPLATES:
         raise BuildFailure(f"no deploy example {kind!r}", f"use one of: {', '.join(TEMPLATES)}")
-    values = example_values(plan, read_push_record(Path(out_dir), plan))
+    values = dict(vars(example_values(plan, read_push_record(Path(out_dir), plan))))
+    if kind in TRAINJOBS:
+        values |= trainjob_values(values["runtime_name"], TRAINJOBS[kind])
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(DEPLOY_DIR), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True, autoescape=False)
-    return env.get_template(TEMPLATES[kind]).render(**vars(values))
+    return env.get_template(TEMPLATES[kind]).render(**values)
+
+
+def trainjob_values(runtime_name: str, job: TrainJobKind) -> dict[str, Any]:
+    name = runtime_name + job.name_suffix
+    if not re.fullmatch(TRAINJOB_NAME, name):   # the job name grammar makes this unreachable; kept as a guard
+        raise BuildFailure(f"cannot derive a TrainJob name from {runtime_name!r}", "rename the image")
+    return {"trainjob_name": name, "trainer": job.trainer, "configmap": job.configmap, "num_nodes": job.num_nodes}
 
 
 def example_values(plan: BuildPlan, record: PushRecord) -> ExampleValues:
@@ -61,9 +96,26 @@ def example_values(plan: BuildPlan, record: PushRecord) -> ExampleValues:
     job = "ftimage-" + re.sub(r"[^a-z0-9-]+", "-", plan.spec.name)[:30].strip("-")
     if not re.fullmatch(DNS_LABEL, job):  # the image name grammar makes this unreachable; kept as a guard
         raise BuildFailure(f"cannot derive a Kubernetes job name from {plan.spec.name!r}", "rename the image")
+    if not re.fullmatch(DNS_LABEL, QUEUE_PLACEHOLDER):   # a constant: guards an edit of it
+        raise BuildFailure(f"the queue placeholder {QUEUE_PLACEHOLDER!r} is not a DNS label", "fix QUEUE_PLACEHOLDER")
     return ExampleValues(image=record.reference, enroot_image=f"{registry}#{path}@{record.digest}",
-                         image_name=plan.spec.name, job_name=job, uid=plan.spec.runtime.uid, gid=plan.spec.gid,
+                         image_name=plan.spec.name, job_name=job, runtime_name=job, queue_name=QUEUE_PLACEHOLDER,
+                         trl_locked=locks_trl(plan), uid=plan.spec.runtime.uid, gid=plan.spec.gid,
                          stop_grace_seconds=stop_grace_seconds(plan))
+
+
+def locks_trl(plan: BuildPlan) -> bool:
+    """Whether the image's python.requirements name trl (the image has no pip to add it later)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
+    names = set()
+    for line in plan.spec.python.requirements:
+        try:
+            names.add(canonicalize_name(Requirement(line).name))
+        except InvalidRequirement:
+            continue   # the spec loader refuses these; nothing to name here
+    return "trl" in names
 
 
 def stop_grace_seconds(plan: BuildPlan) -> int:

@@ -9,9 +9,11 @@ Topology:
   --network none`; static on loopback needs no name service. On CPU, GLOO_SOCKET_IFNAME=lo
   keeps gloo off interfaces that do not exist there.
 * several nodes, from the standard environment: NNODES / NODE_RANK / MASTER_ADDR /
-  MASTER_PORT (also the Training Operator's PET_* names and Slurm's SLURM_NNODES /
-  SLURM_NODEID), static rendezvous; or c10d when RDZV_ENDPOINT (or PET_RDZV_ENDPOINT) is
-  set, which tolerates nodes arriving in any order.
+  MASTER_PORT (also the PET_* names torchrun reads, which the Kubeflow Training Operator and
+  Trainer v2 set, and Slurm's SLURM_NNODES / SLURM_NODEID), static rendezvous; or c10d when
+  RDZV_ENDPOINT (or PET_RDZV_ENDPOINT) is set, which tolerates nodes arriving in any order.
+  NPROC_PER_NODE=auto (Trainer v2's PET_NPROC_PER_NODE on a GPU node) is the default: one
+  process per visible GPU.
 """
 from __future__ import annotations
 
@@ -70,7 +72,8 @@ def device_count() -> int:
 
 def resolve_topology(cfg: FinetuneConfig, env: dict) -> Topology:
     gpus = device_count()
-    nproc = cfg.launch.nproc_per_node or _int(_env(env, "NPROC_PER_NODE", "PET_NPROC_PER_NODE"), 0) or gpus or 1
+    nproc_env = _env(env, "NPROC_PER_NODE", "PET_NPROC_PER_NODE")
+    nproc = cfg.launch.nproc_per_node or (0 if nproc_env == "auto" else _int(nproc_env, 0)) or gpus or 1
     if gpus and nproc > gpus:
         raise LaunchError(f"launch.nproc_per_node={nproc} but only {gpus} GPUs are visible",
                           "lower launch.nproc_per_node or expose more GPUs (--gpus all)")

@@ -162,7 +162,7 @@ def test_push_errors_arrive_in_the_stream_and_name_the_registry(tmp_path, messag
     assert not (tmp_path / "build-report.json").exists()
 
 
-# ---- --deploy-example k8s|slurm ------------------------------------------------------------
+# ---- --deploy-example KIND (the Trainer v2 ones: test_trainer_v2.py) -----------------------
 
 def _write_report(out: Path, tag: str, pushed: dict | None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
@@ -300,8 +300,10 @@ def test_render_for_a_stale_push_is_refused(run_cli, tmp_path):
     ({"digest": 7}, "pushed.digest"),
 ])
 def test_hostile_push_record_is_refused(run_cli, tmp_path, smoke_tag, changes, field):
+    from build.publish.deploy_examples import TEMPLATES
+
     out = _write_report(tmp_path / "out", smoke_tag, _pushed(**changes))
-    for kind in ("k8s", "slurm"):
+    for kind in TEMPLATES:
         code, stdout, err = _render(run_cli, out, kind)
         assert code == 2 and stdout == "", err
         assert err.startswith("error: the push record has") and f": {field}: " in err and "fix: " in err, err
