@@ -222,7 +222,8 @@ class OutputConfig:
     tensorboard: bool = False             # alias for report_to: [tensorboard]
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=list)  # trackers that get
     #                                       every metric too; wandb/mlflow run offline unless configured
-    #                                       (WANDB_MODE, MLFLOW_TRACKING_URI); metrics.jsonl is always written
+    #                                       (WANDB_MODE, MLFLOW_TRACKING_URI); metrics.jsonl is always written.
+    #                                       A server each needs must answer within 10 s before any rank starts
 
 
 @dataclass(kw_only=True)

@@ -190,6 +190,17 @@ def check_inputs(cfg: FinetuneConfig, log: Callable[[str], None]) -> None:
     check_writable(cfg.output.dir)
 
 
+def check_trackers(cfg: FinetuneConfig, env: dict) -> None:
+    """Each tracker in output.report_to can start, asked within tracker_check.TIMEOUT_S seconds."""
+    from entrypoint.observability.tracker_check import TrackerUnavailable, check
+    from entrypoint.observability.trackers import requested
+
+    try:
+        check(requested(cfg.output), env)
+    except TrackerUnavailable as exc:
+        raise FinetuneError(str(exc), exc.fix) from None
+
+
 def check_mesh(cfg: FinetuneConfig, world: int) -> None:
     """parallel.dp_replicate must divide the world size, and the state per GPU must fit the GPU."""
     from entrypoint.distributed.mesh import MeshError, mesh_plan
@@ -265,6 +276,7 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
             " or use a new output.dir)")
         return None
 
+    check_trackers(cfg, env)
     log("[finetune] running verify (the run stops unless it passes)")
     model_dir = cfg.model.path if (Path(cfg.model.path) / "config.json").is_file() else None
     with _process_env(caches):  # verify imports transformers/triton: keep caches writable
