@@ -315,7 +315,10 @@ def check_fingerprint(cfg: FinetuneConfig, resumed: dict, corpus_path: Path) -> 
     from entrypoint.checkpoint import resume as rs
     from entrypoint.data.corpus import read_corpus
 
-    change = rs.changes({}, {}, resumed.get("data_fingerprint"), read_corpus(corpus_path).fingerprint())
+    # a changed train.seed or data key was named (and allowed) by preflight_resume: the corpus it
+    # changes is not refused a second time under its fingerprint
+    change = rs.changes(rs.corpus_keys(resumed.get("run_config", {})), rs.corpus_keys(rs.run_config(cfg)),
+                        resumed.get("data_fingerprint"), read_corpus(corpus_path).fingerprint())
     try:
         rs.check(change, list(cfg.checkpoint.allow_changed), Path(resumed["path"]).name)
     except rs.ResumeRefused as exc:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from contracts.finetune_config import build_config
 from entrypoint.data.inspect_data import runs
@@ -346,3 +348,35 @@ def test_a_weight_that_is_not_positive_is_exit_2(fixture_dir, tmp_path):
     r = run_entrypoint(["finetune", "--config", str(config), f"output.dir={tmp_path / 'out'}"], timeout=120)
     assert r.returncode == 2 and "data.sources[0].weight" in r.stderr and "data.sources[1].weight" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_weights_at_the_float_limits_share_the_documents_as_equal_weights_do(tokenizer, tmp_path):
+    """Two weights of 1e308 sum to inf in floats: every document must still be trained on."""
+    from entrypoint.data.corpus import read_corpus
+    from entrypoint.data.corpus_build import build, quotas
+
+    sources = []
+    for s in range(2):
+        path = tmp_path / f"s{s}.jsonl"
+        path.write_text("".join(json.dumps({"text": f"{WORDS[s]} {i}"}) + "\n" for i in range(150)))
+        sources.append({"path": str(path), "weight": 1e308})
+    cfg = build_config([{"model": {"path": "m"}, "data": {"sources": sources, "schema": "text", "max_length": 64},
+                         "packing": {"budget": 64}}])
+    corpus = read_corpus(build(cfg, tokenizer, tmp_path / "cache", log=lambda m: None).train)
+    assert len(corpus) == 300 and len(set(corpus.rows.tolist())) == 150   # 150 rows from each source
+    assert quotas([150, 150], [5e-324, 5e-324]) == [150, 150] and quotas([3, 3], [1e308, 5e-324]) == [6, 0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(st.tuples(st.integers(0, 10 ** 6), st.floats(min_value=5e-324, max_value=1.7976931348623157e308)),
+                      min_size=1, max_size=6))
+def test_quotas_share_every_document_by_weight_for_any_finite_positive_weights(parts):
+    from fractions import Fraction
+
+    from entrypoint.data.corpus_build import quotas
+
+    sizes, weights = [n for n, _ in parts], [w for _, w in parts]
+    counts = quotas(sizes, weights)
+    total, scale = sum(sizes), sum(Fraction(w) for w in weights)
+    assert sum(counts) == total and all(c >= 0 for c in counts)
+    assert all(abs(c - Fraction(w) * total / scale) < 1 for c, w in zip(counts, weights))
