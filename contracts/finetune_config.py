@@ -8,7 +8,6 @@ raises one ConfigError that lists each with a fix.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields_of
 from pathlib import Path
@@ -47,9 +46,10 @@ RESUME_KEYS: dict[str, str] = {
     "train.min_lr_ratio": "the schedule's floor",
     "train.epochs": "when the run ends, and the schedule's length",
     "train.grad_accum": "tokens per optimizer step",
+    "train.seed": "the data order, the held-out share and the mixture's draw",
     "packing.*": "which documents form each micro-batch",
     "data.*": "which documents the run trains on",
-    "data.fingerprint": "the tokenized corpus itself (its documents and tokens)",
+    "data.fingerprint": "the tokenized corpus itself (its documents and tokens: the files' content, the tokenizer)",
 }
 
 
@@ -69,19 +69,6 @@ def _resume_key(value: str):
             f"list keys from the resume table: {', '.join(RESUME_KEYS)} (or data.<key>, packing.<key>)")
 
 
-def _eval_fraction(value: float):
-    if not math.isfinite(value) or value < 0 or value > 0.5:
-        return (f"must be in (0, 0.5], got {value!r}", "hold out a share of the documents between 0 and 0.5, e.g. "
-                "0.02, or set data.eval_path instead (0 = no evaluation data)")
-    return None
-
-
-def _finite_positive(value: float):
-    if not math.isfinite(value) or value <= 0:
-        return f"must be a finite number > 0, got {value!r}", "set a positive learning rate, e.g. 2e-5"
-    return None
-
-
 @dataclass(kw_only=True)
 class ModelConfig:
     path: str = ""                        # local HF-format dir (mounted), or a hub id if the cluster has network
@@ -96,17 +83,11 @@ class SourceConfig:
     """One entry of data.sources: a source and its share of the documents."""
 
     path: str                             # a file, a folder of files, a glob or a save_to_disk folder
-    weight: float = field(default=1.0, metadata=rule(check=lambda w: _positive_weight(w)))  # share of documents
+    weight: float = field(default=1.0, metadata=rule(gt=0.0, fix="give each source a positive weight: its share of "
+                                                     "the documents (weights are normalised)"))  # share of documents
     format: Literal["auto", "jsonl", "json", "parquet", "arrow", "disk"] = "auto"
     schema: Literal["", "messages", "sharegpt", "alpaca", "text", "prompt_completion"] = ""  # "" = data.schema
     split: str = ""                       # a split of a local dataset folder ("" = every file)
-
-
-def _positive_weight(value: float):
-    if not math.isfinite(value) or value <= 0:
-        return (f"must be a finite number > 0, got {value!r}", "give each source a positive weight: its share of "
-                "the documents (weights are normalised)")
-    return None
 
 
 @dataclass(kw_only=True)
@@ -118,7 +99,9 @@ class DataConfig:
     split: str = ""                       # the split to read from a dataset folder, e.g. train_sft ("" = all)
     sources: list[SourceConfig] = field(default_factory=list)  # a weighted mixture instead of data.path
     eval_path: str = ""                   # held-out data for evaluation (same forms as data.path)
-    eval_fraction: float = field(default=0.0, metadata=rule(check=lambda f: _eval_fraction(f)))  # or hold out
+    eval_fraction: float = field(default=0.0, metadata=rule(ge=0.0, le=0.5, fix="hold out a share of the documents "
+                                 "between 0 and 0.5, e.g. 0.02, or set data.eval_path instead (0 = no evaluation "
+                                 "data)"))  # or hold out
     #                                       this share of the documents (0 = none; at most 0.5)
     num_proc: int = field(default=0, metadata=rule(ge=0, le=256, fix="set data.num_proc in 0..256 (0 = one per "
                                                    "core, up to 16)"))  # tokenizer processes
@@ -143,7 +126,8 @@ class DataConfig:
 @dataclass(kw_only=True)
 class PackingConfig:
     mode: Literal["packed", "padded"] = "packed"  # 1D varlen rows, or the 2D baseline. Fallback forces padded.
-    budget: int = field(default=8192, metadata=_positive("packing.budget"))  # tokens per micro-batch
+    budget: int = field(default=8192, metadata=rule(ge=1, le=1 << 24, fix="set packing.budget in 1..16777216 "
+                        "(cu_seqlens are int32)"))  # tokens per micro-batch
     shuffle_window: int = field(default=10000, metadata=_positive("packing.shuffle_window"))  # documents
     #                                       shuffled together and best-fit-decreasing packed per window
 
@@ -152,7 +136,7 @@ class PackingConfig:
 class TrainConfig:
     max_steps: int = field(default=1000, metadata=_positive("train.max_steps"))  # optimizer steps
     grad_accum: int = field(default=1, metadata=_positive("train.grad_accum"))  # micro-batches per rank per step
-    lr: float = field(default=2e-5, metadata=rule(check=_finite_positive))  # peak learning rate
+    lr: float = field(default=2e-5, metadata=rule(gt=0.0, fix="set a positive learning rate, e.g. 2e-5"))  # peak
     min_lr_ratio: float = field(default=0.1, metadata=rule(ge=0.0, le=1.0, fix="set train.min_lr_ratio in "
                                                            "[0, 1]: the cosine floor as a fraction of lr"))
     warmup_steps: int = field(default=50, metadata=_non_negative("train.warmup_steps"))  # linear warmup from 0
@@ -217,12 +201,13 @@ class OutputConfig:
     dir: str = "./finetune-out"           # checkpoints, metrics.jsonl, run_report.json, caches
     log_every: int = field(default=10, metadata=_positive("output.log_every"))  # steps per metrics line
     profile_steps: str = ""               # "a:b" = torch.profiler trace over steps [a, b)
-    peak_tflops: float = field(default=0.0, metadata=rule(ge=0.0, fix="set output.peak_tflops >= 0 "
-                                                          "(0 = look the GPU up)"))
+    peak_tflops: float = field(default=0.0, metadata=rule(ge=0.0, le=1e6, fix="set output.peak_tflops in 0..1e6 "
+                                                          "(0 = look the GPU up)"))  # per GPU, dense bf16
     tensorboard: bool = False             # alias for report_to: [tensorboard]
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=list)  # trackers that get
     #                                       every metric too; wandb/mlflow run offline unless configured
-    #                                       (WANDB_MODE, MLFLOW_TRACKING_URI); metrics.jsonl is always written
+    #                                       (WANDB_MODE, MLFLOW_TRACKING_URI); metrics.jsonl is always written.
+    #                                       A server each needs must answer within 10 s before any rank starts
 
 
 @dataclass(kw_only=True)

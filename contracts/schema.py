@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from contracts.numbers import allowed_range, range_problem
+
 MAX_STRING = 64 * 1024   # longer strings are refused: no field of ours needs more
 
 
@@ -91,19 +93,20 @@ Check = Callable[[Any], "tuple[str, str] | tuple[str, str, str] | None"]
 
 
 def rule(*, pattern: str | None = None, pattern_fix: str = "", ge: float | None = None, le: float | None = None,
-         check: Check | None = None, each: Check | None = None, fix: str = "", key: str | None = None,
-         doc: str = "") -> dict[str, Any]:
+         gt: float | None = None, check: Check | None = None, each: Check | None = None, fix: str = "",
+         key: str | None = None, doc: str = "") -> dict[str, Any]:
     """Field metadata for the engine: `field(default=..., metadata=rule(...))`.
 
     pattern  the whole string must match (re.fullmatch); pattern_fix says how to write it
-    ge, le   numeric bounds
+    ge, le   numeric bounds; gt an exclusive lower bound. Every number is also finite (no nan or
+             inf) and every integer fits in 64 bits, bounds or not
     check    f(value) -> None or (problem, fix[, code]) for the whole value
     each     the same, for each item of a tuple/list or each value of a dict
     fix      the fix shown when the field is missing or of the wrong type
     key      the key in the document, when it differs from the field name
     """
-    return {"pattern": pattern, "pattern_fix": pattern_fix, "ge": ge, "le": le, "check": check, "each": each,
-            "fix": fix, "key": key, "doc": doc}
+    return {"pattern": pattern, "pattern_fix": pattern_fix, "ge": ge, "le": le, "gt": gt, "check": check,
+            "each": each, "fix": fix, "key": key, "doc": doc}
 
 
 class _Invalid:
@@ -302,13 +305,14 @@ class Reader:
             self._wrong_type(path, raw, "an integer", meta)
             return INVALID
         if hint is float:
-            if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-                return float(raw)
-            if self.strings_convert and isinstance(raw, str):
-                try:
+            try:
+                if isinstance(raw, (int, float)) and not isinstance(raw, bool) or \
+                        self.strings_convert and isinstance(raw, str):
                     return float(raw)
-                except ValueError:
-                    pass
+            except OverflowError:   # an integer past 1.8e308: no more finite than inf
+                return self._out_of_range(path, raw, meta, integer=False)
+            except ValueError:
+                pass
             self._wrong_type(path, raw, "a number", meta)
             return INVALID
         raise TypeError(f"the schema engine does not support {hint!r} (at {path})")
@@ -353,14 +357,15 @@ class Reader:
                       "bad-format")
             return INVALID
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            lo, hi = meta.get("ge"), meta.get("le")
-            if (lo is not None and value < lo) or (hi is not None and value > hi) or value != value:
-                bounds = " .. ".join(str(b) for b in (lo, hi) if b is not None)
-                self.fail(path, f"{value!r} is out of range ({'>= ' + str(lo) if hi is None else bounds})",
-                          meta.get("fix") or f"set {path} within {bounds or 'range'}", "out-of-range")
-                return INVALID
+            if range_problem(value, meta, integer=isinstance(value, int)):
+                return self._out_of_range(path, value, meta, integer=isinstance(value, int))
         check = meta.get("check")
         return self._verdict(check(value), path, value) if check else value
+
+    def _out_of_range(self, path: str, value: Any, meta: dict, *, integer: bool) -> Any:
+        self.fail(path, range_problem(value, meta, integer=integer),
+                  meta.get("fix") or f"set {path} to {allowed_range(meta, integer=integer)}", "out-of-range")
+        return INVALID
 
     def _verdict(self, found, path: str, value: Any) -> Any:
         if not found:
@@ -378,12 +383,8 @@ def placeholder(hint: Any) -> Any:
         return None if type(None) in args else placeholder(args[0])
     if origin is typing.Literal:
         return args[0]
-    if origin is tuple:
-        return ()
-    if origin is list:
-        return []
-    if origin is dict:
-        return {}
+    if origin in (tuple, list, dict):
+        return origin()
     if dataclasses.is_dataclass(hint):
         hints = typing.get_type_hints(hint)
         return hint(**{f.name: placeholder(hints[f.name]) for f in dataclasses.fields(hint) if f.init
@@ -393,8 +394,3 @@ def placeholder(hint: Any) -> Any:
 
 def _allows_none(hint: Any) -> bool:
     return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
-
-
-def field_docs(kind: type) -> dict[str, str]:
-    """Field name -> the `doc` text of its rule, for help output."""
-    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(kind)}

@@ -20,7 +20,10 @@ from contracts.finetune_config import RESUME_KEYS, FinetuneConfig
 
 SCHEDULE_KEYS = ("train.lr", "train.max_steps", "train.warmup_steps", "train.min_lr_ratio", "train.epochs")
 # keys whose change makes the saved data-stream position meaningless
-STREAM_PATTERNS = ("data.*", "packing.*")
+STREAM_PATTERNS = ("data.*", "packing.*", "train.seed")
+# keys that make a different tokenized corpus (so a different data.fingerprint): a change of one of
+# them is named, never the fingerprint it changes
+CORPUS_PATTERNS = ("data.*", "train.seed")
 
 
 class ResumeRefused(Exception):
@@ -58,9 +61,15 @@ class Change:
 def changes(saved: dict[str, Any], current: dict[str, Any], saved_fingerprint: Any = None,
             fingerprint: Any = None) -> list[Change]:
     found = [Change(k, saved.get(k), v) for k, v in current.items() if k in saved and saved[k] != v]
-    if saved_fingerprint is not None and fingerprint is not None and saved_fingerprint != fingerprint:
+    if saved_fingerprint is not None and fingerprint is not None and saved_fingerprint != fingerprint and \
+            not any(covered(c.key, CORPUS_PATTERNS) for c in found):
         found.append(Change("data.fingerprint", saved_fingerprint, fingerprint))
     return found
+
+
+def corpus_keys(run: dict[str, Any]) -> dict[str, Any]:
+    """The keys of a run_config that shape the tokenized corpus."""
+    return {k: v for k, v in run.items() if covered(k, CORPUS_PATTERNS)}
 
 
 def check(changed: list[Change], allowed: list[str], checkpoint: str) -> list[Change]:

@@ -6,9 +6,9 @@
 3. data.eval_fraction holds out that share of each source's documents (a permutation seeded by
    train.seed: deterministic per document); data.eval_path is a source of its own.
 4. A mixture takes each source's share of the documents by weight: with N documents in all, source
-   i contributes round(N * w_i / sum(w)) of them (largest remainders), so shares are exact to one
-   document. A source with fewer documents than its share starts another pass (reshuffled), and
-   the log says so.
+   i contributes round(N * w_i / sum(w)) of them (largest remainders, in exact fractions, so no
+   weight overflows or underflows), so shares are exact to one document. A source with fewer
+   documents than its share starts another pass (reshuffled), and the log says so.
 The result is two manifests (corpus.py) the workers memory-map.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -48,13 +49,18 @@ def resolve_all(data) -> tuple[list[tuple[Source, object]], Source | None]:
 
 
 def quotas(sizes: list[int], weights: list[float]) -> list[int]:
-    """Documents per source: N = sum(sizes) shared by weight, largest remainders (sums to N)."""
+    """Documents per source: N = sum(sizes) shared by weight, largest remainders (sums to N).
+    Exact rational arithmetic: weights of 1e308 (whose float sum is inf) or of 5e-324 (whose
+    shares underflow) get the same quotas as 1 and 1."""
     total = sum(sizes)
-    shares = np.asarray(weights, dtype=np.float64) / float(sum(weights)) * total
-    counts = np.floor(shares).astype(np.int64)
-    for i in np.argsort(-(shares - counts), kind="stable")[:total - int(counts.sum())]:
+    exact = [Fraction(w) for w in weights]      # every finite float is exactly a fraction
+    scale = sum(exact)
+    shares = [w * total / scale for w in exact]
+    counts = [int(s) for s in shares]           # floor: shares are >= 0
+    by_remainder = sorted(range(len(shares)), key=lambda i: counts[i] - shares[i])   # stable: ties keep order
+    for i in by_remainder[:total - sum(counts)]:
         counts[i] += 1
-    return counts.tolist()
+    return counts
 
 
 def draw(ids: np.ndarray, count: int, rng: np.random.Generator) -> tuple[np.ndarray, int]:

@@ -2,10 +2,12 @@
 files, offline. Reading them is rows.py's job.
 
 data.path may be a file (.jsonl, .json, .parquet, .arrow), a folder of them, a glob, a
-`save_to_disk` folder, or a local dataset folder read as one split (`data.split`: ultrachat_200k's
-`data/train_sft-00000-of-00003.parquet` shards are the `train_sft` split). Everything is refused
-with the field and the fix before any rank starts: nothing there, mixed formats, a split the
-dataset does not have, something that is not a regular file.
+`save_to_disk` folder, or a local dataset folder read as one split (`data.split`), its splits
+resolved as `datasets` resolves them (dataset_folder.py: the README's `configs:`, then datasets'
+own patterns; ultrachat_200k's `data/train_sft-00000-of-00003-<hash>.parquet` shards are its
+`train_sft` split). Everything is refused with the field and the fix before any rank starts:
+nothing there, mixed formats, a split the dataset does not have, a path leaving the folder,
+something that is not a regular file.
 """
 from __future__ import annotations
 
@@ -13,16 +15,15 @@ import glob
 import hashlib
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from entrypoint.data.dataset_folder import FolderRefused, split_files, splits
 from entrypoint.inputs import InputError, check_data_path
 
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 FORMATS = ("auto", "jsonl", "json", "parquet", "arrow", "disk")
 DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
-_SPLIT_FILE = re.compile(r"^(?P<split>[A-Za-z0-9_.-]+?)(?:-\d{5}-of-\d{5})?\.[a-z]+$")
 
 
 class DataError(Exception):
@@ -69,9 +70,28 @@ def _kind_of(path: str, declared: str) -> str:
     return kind
 
 
-def _split_of(name: str) -> str:
-    m = _SPLIT_FILE.match(name)
-    return m.group("split") if m else ""
+def _split_field(field: str) -> str:
+    return field.removesuffix(".path") + ".split" if field.endswith(".path") else "data.split"
+
+
+def _split_files(path: str, fmt: str, split: str, field: str) -> list[str]:
+    """The files of one split of the dataset folder `path` (DataError naming the real splits)."""
+    split_field = _split_field(field)
+    try:
+        declared = splits(path, field)
+        if split not in declared:
+            have = ", ".join(declared)
+            raise DataError(f"{split_field} {split!r}: {path} has no such split" + (f" (it has: {have})" if have
+                            else " (it holds no data files)"), f"set {split_field} to one of: {have}, or leave it "
+                            "empty to read every file" if have else f"point {field} at the dataset folder", split_field)
+        files = [f for f in split_files(path, split, declared[split])
+                 if fmt != "auto" or Path(f).suffix.lower() in SUFFIXES]
+    except FolderRefused as exc:
+        raise DataError(str(exc), exc.fix, field) from None
+    if not files:
+        raise DataError(f"{split_field} {split!r} of {path} has no .jsonl/.json/.parquet/.arrow file",
+                        "convert that split to one of those formats, or set data.format", split_field)
+    return files
 
 
 def resolve(path: str, fmt: str = "auto", split: str = "", field: str = "data.path") -> Source:
@@ -92,27 +112,25 @@ def resolve(path: str, fmt: str = "auto", split: str = "", field: str = "data.pa
             if fmt == "disk":
                 raise DataError(f"{field} {path} is a file, data.format=disk needs a save_to_disk folder",
                                 "point it at the folder, or set data.format=auto", field)
-            return Source(field, path, _kind_of(path, fmt), (path,), split)
-        if fmt == "disk" or any((Path(path) / m).is_file() for m in DISK_MARKERS):
-            return Source(field, path, "disk", (path,), split)
-        files = sorted(str(p) for p in Path(path).rglob("*")
-                       if p.is_file() and (p.suffix.lower() in SUFFIXES or fmt not in ("auto", "disk"))
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
-        if not files:
-            raise DataError(f"{field} {path} is a folder with no .jsonl/.json/.parquet/.arrow file",
-                            "point it at the folder that holds the data files, or at one file", field)
+            files = [path]
+        elif fmt == "disk" or any((Path(path) / m).is_file() for m in DISK_MARKERS):
+            return Source(field, path, "disk", (path,), split)   # its own splits: rows.py reads them
+        elif split:
+            files = _split_files(path, fmt, split, field)
+        else:
+            files = sorted(str(p) for p in Path(path).rglob("*")
+                           if p.is_file() and (p.suffix.lower() in SUFFIXES or fmt not in ("auto", "disk"))
+                           and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            if not files:
+                raise DataError(f"{field} {path} is a folder with no .jsonl/.json/.parquet/.arrow file",
+                                "point it at the folder that holds the data files, or at one file", field)
+    if split and (has_glob or os.path.isfile(path)):
+        split_field = _split_field(field)
+        raise DataError(f"{split_field} {split!r} selects a split of a dataset folder, and {field} {path} is "
+                        f"{'a glob' if has_glob else 'a file'}", f"point {field} at the dataset folder, or leave "
+                        f"{split_field} empty", split_field)
     for f in files:
         check_data_path(f, field)
-    if split:
-        named = [f for f in files if _split_of(Path(f).name) == split]
-        if not named:
-            have = sorted({_split_of(Path(f).name) for f in files} - {""})
-            raise DataError(f"data.split {split!r}: {path} has no such split" + (f" (it has: {', '.join(have)})"
-                                                                                   if have else
-                                                                                   " (its files name no split)"),
-                            f"set data.split to one of the dataset's splits{': ' + have[0] if have else ''}, or "
-                            "leave it empty to read every file", "data.split")
-        files = named
     kinds = {_kind_of(f, fmt) for f in files}
     if len(kinds) > 1:
         raise DataError(f"{field} {path} mixes formats ({', '.join(sorted(kinds))}) in one source",

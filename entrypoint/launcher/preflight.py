@@ -190,6 +190,17 @@ def check_inputs(cfg: FinetuneConfig, log: Callable[[str], None]) -> None:
     check_writable(cfg.output.dir)
 
 
+def check_trackers(cfg: FinetuneConfig, env: dict) -> None:
+    """Each tracker in output.report_to can start, asked within tracker_check.TIMEOUT_S seconds."""
+    from entrypoint.observability.tracker_check import TrackerUnavailable, check
+    from entrypoint.observability.trackers import requested
+
+    try:
+        check(requested(cfg.output), env)
+    except TrackerUnavailable as exc:
+        raise FinetuneError(str(exc), exc.fix) from None
+
+
 def check_mesh(cfg: FinetuneConfig, world: int) -> None:
     """parallel.dp_replicate must divide the world size, and the state per GPU must fit the GPU."""
     from entrypoint.distributed.mesh import MeshError, mesh_plan
@@ -265,6 +276,7 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
             " or use a new output.dir)")
         return None
 
+    check_trackers(cfg, env)
     log("[finetune] running verify (the run stops unless it passes)")
     model_dir = cfg.model.path if (Path(cfg.model.path) / "config.json").is_file() else None
     with _process_env(caches):  # verify imports transformers/triton: keep caches writable
@@ -303,7 +315,10 @@ def check_fingerprint(cfg: FinetuneConfig, resumed: dict, corpus_path: Path) -> 
     from entrypoint.checkpoint import resume as rs
     from entrypoint.data.corpus import read_corpus
 
-    change = rs.changes({}, {}, resumed.get("data_fingerprint"), read_corpus(corpus_path).fingerprint())
+    # a changed train.seed or data key was named (and allowed) by preflight_resume: the corpus it
+    # changes is not refused a second time under its fingerprint
+    change = rs.changes(rs.corpus_keys(resumed.get("run_config", {})), rs.corpus_keys(rs.run_config(cfg)),
+                        resumed.get("data_fingerprint"), read_corpus(corpus_path).fingerprint())
     try:
         rs.check(change, list(cfg.checkpoint.allow_changed), Path(resumed["path"]).name)
     except rs.ResumeRefused as exc:

@@ -6,7 +6,12 @@ Each tracker works offline by default, so a cluster without egress still gets it
     <output.dir>/wandb (sync them later with `wandb sync`);
   * mlflow: a local file store, <output.dir>/mlruns, unless MLFLOW_TRACKING_URI is set;
   * tensorboard: <output.dir>/tensorboard (`output.tensorboard: true` is an alias).
-A tracker whose package is not in the image is a config error (checked before any rank starts).
+A tracker whose package is not in the image, or that cannot start (an unreachable server, a
+refused key), is a config error, checked before any rank starts (tracker_check.py). One that
+fails later, at its start in the rank or mid-run, is a WARNING: it gets no more metrics, and
+metrics.jsonl, written first, keeps every one; the run goes on. MLflow's HTTP retries are bounded
+in the rank (MLFLOW_HTTP_REQUEST_MAX_RETRIES=2, MLFLOW_HTTP_REQUEST_TIMEOUT=10 unless set) so a
+server lost mid-run costs seconds, not minutes, and closing a tracker waits CLOSE_TIMEOUT_S at most.
 Only rank 0 writes. metrics.jsonl is appended without following a symlink, and a resumed run
 first drops the records after the step it resumed from, so steps stay unique.
 """
@@ -15,10 +20,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import threading
 from pathlib import Path
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 INSTALL = {"tensorboard": "tensorboard==2.21.0", "wandb": "wandb", "mlflow": "mlflow-skinny"}
+CLOSE_TIMEOUT_S = 60
 
 
 def requested(output) -> list[str]:
@@ -74,18 +81,27 @@ class _Mlflow:
         if not os.environ.get("MLFLOW_TRACKING_URI"):
             os.environ["MLFLOW_TRACKING_URI"] = (out / "mlruns").absolute().as_uri()
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")   # the local store works offline
-        import mlflow
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")     # mlflow's default retries for ~5 min
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        from mlflow.entities import Metric, Param
+        from mlflow.tracking import MlflowClient
 
-        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "ftimage"))
-        self.mlflow = mlflow
-        self.run = mlflow.start_run(run_name=run_name)
-        mlflow.log_params({k: str(v)[:500] for k, v in config.items()})
+        # the client API, by run id: mlflow's "active run" is per thread, and close() runs in one
+        self.client, self.metric = MlflowClient(), Metric
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "ftimage")
+        found = self.client.get_experiment_by_name(name)
+        experiment = found.experiment_id if found else self.client.create_experiment(name)
+        self.run_id = self.client.create_run(experiment, run_name=run_name).info.run_id
+        self.client.log_batch(self.run_id, params=[Param(k, str(v)[:500]) for k, v in config.items()])
 
     def log(self, values: dict[str, float], step: int) -> None:
-        self.mlflow.log_metrics(values, step=step)
+        import time
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[self.metric(k, v, now, step) for k, v in values.items()])
 
     def close(self) -> None:
-        self.mlflow.end_run()
+        self.client.set_terminated(self.run_id)
 
 
 SINKS = {"tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _Mlflow}
@@ -124,19 +140,40 @@ def drop_records_after(path: Path, step: int) -> int:
     return dropped
 
 
+def _warn(message: str) -> None:
+    from entrypoint.observability.console import Console
+
+    Console(0).warn(message)
+
+
+def _cause(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
+
+
 class Metrics:
     """metrics.jsonl (one JSON object per line, fsynced each write so a killed run keeps its log)
-    and the requested trackers, all with the same scalars."""
+    and the requested trackers, all with the same scalars. A tracker that raises is dropped with
+    one warning (`warn`); metrics.jsonl and the run go on."""
 
     def __init__(self, out_dir: Path, *, enabled: bool, trackers: list[str] = (), run_name: str = "",
-                 config: dict | None = None):
+                 config: dict | None = None, warn=None):
         self.path = Path(out_dir) / "metrics.jsonl"
         self.enabled = enabled
-        self.sinks = []
+        self.warn = warn or _warn
+        self.sinks: dict[str, object] = {}
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             flat = flat_config(config or {})
-            self.sinks = [SINKS[name](Path(out_dir), run_name, flat) for name in trackers]
+            for name in trackers:
+                try:
+                    self.sinks[name] = SINKS[name](Path(out_dir), run_name, flat)
+                except Exception as exc:  # noqa: BLE001 - a tracker never stops the run
+                    self._lost(name, "could not start", exc)
+
+    def _lost(self, name: str, when: str, exc: BaseException) -> None:
+        self.warn(f"tracker {name} {when} ({_cause(exc)}); it gets no more metrics in this run, metrics.jsonl "
+                  f"keeps every one (fix the tracker, or remove {name} from output.report_to)")
 
     def write(self, record: dict, kind: str = "train") -> None:
         if not self.enabled:
@@ -149,10 +186,30 @@ class Metrics:
             os.fsync(fh.fileno())
         values = {f"{kind}/{k.removeprefix('train/').removeprefix(kind + '_')}": v
                   for k, v in scalars(record).items()}
-        for sink in self.sinks:
-            sink.log(values, record["step"])
+        for name, sink in list(self.sinks.items()):
+            try:
+                sink.log(values, record["step"])
+            except Exception as exc:  # noqa: BLE001 - a tracker never stops the run
+                del self.sinks[name]
+                self._lost(name, f"failed at step {record['step']}", exc)
 
     def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()
-        self.sinks = []
+        """Close each tracker, each within CLOSE_TIMEOUT_S (a W&B upload to a lost server waits forever)."""
+        for name, sink in self.sinks.items():
+            failed: list[BaseException] = []
+            thread = threading.Thread(target=_close, args=(sink, failed), daemon=True)
+            thread.start()
+            thread.join(CLOSE_TIMEOUT_S)
+            if thread.is_alive():
+                self.warn(f"tracker {name} did not close within {CLOSE_TIMEOUT_S} s; left behind (metrics.jsonl "
+                          "is whole; a W&B run's local files are under output.dir/wandb: `wandb sync` them)")
+            elif failed:
+                self._lost(name, "failed to close", failed[0])
+        self.sinks = {}
+
+
+def _close(sink, failed: list) -> None:
+    try:
+        sink.close()
+    except Exception as exc:  # noqa: BLE001 - reported by the caller
+        failed.append(exc)

@@ -1,4 +1,4 @@
-"""Data through `datasets`: files, folders, globs, save_to_disk, ultrachat_200k's own layout, five row
+"""Data through `datasets`: files, folders, globs, save_to_disk, ultrachat_200k as the Hub lays it out, five row
 schemas with golden masks, reasoning_content, weighted mixtures, held-out splits, and bad input."""
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from contracts.finetune_config import build_config
 from entrypoint.data.inspect_data import runs
@@ -106,33 +108,108 @@ def test_reasoning_is_trained_where_the_template_renders_it_and_counted_where_it
 
 # ---- where rows come from --------------------------------------------------------------------------
 
-def _ultrachat(root: Path) -> Path:
-    """ultrachat_200k's own layout: data/{train_sft,test_sft,...}-NNNNN-of-NNNNN.parquet."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    (root / "data").mkdir(parents=True)
-    for split, shards, offset in (("train_sft", 2, 0), ("test_sft", 1, 100), ("train_gen", 1, 200)):
-        for k in range(shards):
-            rows = [{"prompt": f"{WORDS[i % 8]} {k}", "prompt_id": f"{split}-{k}-{i}",
-                     "messages": [{"role": "user", "content": f"{WORDS[i % 8]} {offset + i}"},
-                                  {"role": "assistant", "content": f"{WORDS[(i + 1) % 8]} {k}"}]}
-                    for i in range(10)]
-            pq.write_table(pa.Table.from_pylist(rows), root / "data" / f"{split}-{k:05d}-of-{shards:05d}.parquet")
-    return root
+def _inspect(fixture_dir, *overrides: str, rows: int = 0):
+    return run_entrypoint(["inspect-data", "--config", str(fixture_dir.config), *overrides, "--rows", str(rows),
+                           "--json"], timeout=240)
 
 
-def test_inspect_data_reads_ultrachat_200k_layout_as_one_split(fixture_dir, tmp_path):
-    root = _ultrachat(tmp_path / "ultrachat_200k")
-    r = run_entrypoint(["inspect-data", "--config", str(fixture_dir.config), f"data.path={root}",
-                        "data.split=train_sft", "--rows", "0", "--json"], timeout=240)
-    assert r.returncode == 0, r.stderr[-2000:]
-    summary = json.loads(r.stdout)["summary"]
-    assert summary["rows_read"] == 20 and summary["documents"] == 20 and summary["bad_rows"] == {}
-    r = run_entrypoint(["inspect-data", "--config", str(fixture_dir.config), f"data.path={root}",
-                        "data.split=train", "--rows", "0"], timeout=240)
-    assert r.returncode == 2 and "data.split 'train'" in r.stderr and "test_sft, train_gen, train_sft" in r.stderr
-    assert "Traceback" not in r.stderr
+def test_inspect_data_reads_ultrachat_200k_as_the_hub_lays_it_out(fixture_dir, tmp_path):
+    """data/train_sft-00000-of-00003-<16 hex>.parquet and the README's `configs:`: each split by name."""
+    from tests.fixtures.hub_datasets import ultrachat_200k
+
+    root = ultrachat_200k(tmp_path / "ultrachat_200k", rows_per_shard=4)
+    for split, rows in (("train_sft", 12), ("test_sft", 4)):
+        r = _inspect(fixture_dir, f"data.path={root}", f"data.split={split}", rows=rows)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out = json.loads(r.stdout)
+        assert out["summary"]["rows_read"] == rows and out["summary"]["documents"] == rows
+        assert out["summary"]["bad_rows"] == {}
+        spans = [span for doc in out["documents"] for span in doc["trained_spans"]]
+        assert len(spans) == rows and all(span.endswith(f" {split}<|im_end|>") for span in spans), spans
+    r = _inspect(fixture_dir, f"data.path={root}", "data.split=train")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "data.split 'train'" in r.stderr and "(it has: train_sft, test_sft, train_gen, test_gen)" in r.stderr
+    fix = next(line for line in r.stderr.splitlines() if "fix:" in line)
+    assert "train_sft" in fix and ".parquet" not in fix
+
+
+def test_a_folder_without_readme_resolves_its_splits_by_datasets_patterns(tmp_path):
+    from entrypoint.data.sources import DataError, resolve
+    from tests.fixtures.hub_datasets import plain_shards
+
+    root = plain_shards(tmp_path / "plain", {"train": 2, "test": 1})
+    train = resolve(str(root), split="train")
+    assert [Path(f).name for f in train.files] == ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]
+    assert [Path(f).name for f in resolve(str(root), split="test").files] == ["test-00000-of-00001.parquet"]
+    with pytest.raises(DataError) as info:
+        resolve(str(root), split="validation")
+    assert "(it has: train, test)" in str(info.value) and info.value.field == "data.split"
+    flat = tmp_path / "flat"       # train.jsonl / test.jsonl: the split is in the file name
+    flat.mkdir()
+    for name in ("train.jsonl", "test.jsonl", "notes.txt"):
+        (flat / name).write_text(json.dumps(_schema_rows("messages")[0][0]) + "\n")
+    assert [Path(f).name for f in resolve(str(flat), split="test").files] == ["test.jsonl"]
+
+
+def _hostile(root: Path, tmp_path: Path, case: str) -> None:
+    import os
+
+    from tests.fixtures.hub_datasets import ULTRACHAT_README
+
+    outside = tmp_path / "outside"
+    outside.mkdir(exist_ok=True)
+    (outside / "stolen.parquet").write_bytes((next((root / "data").glob("test_sft-*"))).read_bytes())
+    readme = root / "README.md"
+    swap = {"dotdot": "../outside/*", "absolute": f"{outside}/*", "url": "hf://datasets/someone/else/*",
+            "linked_dir": "ext/*"}
+    if case in swap:
+        readme.write_text(ULTRACHAT_README.replace("path: data/train_sft-*", f"path: {swap[case]}"))
+    if case == "linked_dir":
+        os.symlink(outside, root / "ext")
+    elif case == "linked_file":
+        os.symlink(outside / "stolen.parquet", root / "data" / "train_sft-00003-of-00003-0123456789abcdef.parquet")
+    elif case == "anchors":
+        readme.write_text(ULTRACHAT_README.replace("path: data/train_sft-*", "path: &p data/train_sft-*")
+                          .replace("path: data/test_sft-*", "path: *p"))
+    elif case == "unclosed":
+        readme.write_text(ULTRACHAT_README.replace("\n---\n", "\n").replace("---\n", "---\n" + "#\n" * (1 << 19)))
+    elif case == "fifo_readme":
+        readme.unlink()
+        os.mkfifo(readme)
+    elif case == "not_a_list":
+        readme.write_text("---\nconfigs: data/train_sft-*\n---\n")
+    elif case == "two_configs":
+        readme.write_text("---\nconfigs:\n- config_name: a\n  data_files: data/train_sft-*\n- config_name: b\n"
+                          "  data_files: data/test_sft-*\n---\n")
+
+
+@pytest.mark.parametrize("case, said", [
+    ("dotdot", "leaves the dataset folder"), ("absolute", "leaves the dataset folder"),
+    ("url", "leaves the dataset folder"), ("linked_dir", "lies outside the dataset folder"),
+    ("linked_file", "lies outside the dataset folder"), ("anchors", "anchors and aliases"),
+    ("unclosed", "no closing `---`"), ("fifo_readme", "not a regular file"),
+    ("not_a_list", "not a list of mappings"), ("two_configs", "none is the default"),
+])
+def test_a_hostile_readme_is_refused_naming_the_field_and_reads_nothing_outside(tmp_path, case, said):
+    from entrypoint.data.sources import DataError, resolve
+    from tests.fixtures.hub_datasets import ultrachat_200k
+
+    root = ultrachat_200k(tmp_path / "ds")
+    _hostile(root, tmp_path, case)
+    with pytest.raises(DataError) as info:
+        resolve(str(root), split="train_sft", field="data.sources[1].path")
+    assert said in str(info.value) and info.value.fix and info.value.field == "data.sources[1].path"
+
+
+def test_a_split_of_a_file_or_a_glob_is_refused_naming_the_split_field(tmp_path):
+    from entrypoint.data.sources import DataError, resolve
+    from tests.fixtures.hub_datasets import ultrachat_200k
+
+    root = ultrachat_200k(tmp_path / "ds")
+    for path in (next((root / "data").glob("test_sft-*")), root / "data" / "*.parquet"):
+        with pytest.raises(DataError) as info:
+            resolve(str(path), split="test_sft", field="data.sources[0].path")
+        assert info.value.field == "data.sources[0].split" and "dataset folder" in str(info.value)
 
 
 @pytest.mark.parametrize("form", ["file", "folder", "glob", "disk", "arrow", "json_array"])
@@ -248,7 +325,9 @@ def test_bad_data_sources_are_exit_2_naming_the_field(fixture_dir, tmp_path, ove
     import pyarrow.parquet as pq
 
     pq.write_table(pa.Table.from_pylist(_schema_rows("messages")[0]), tmp_path / "mixed" / "b.parquet")
-    ultra = _ultrachat(tmp_path / "ultra")
+    from tests.fixtures.hub_datasets import ultrachat_200k
+
+    ultra = ultrachat_200k(tmp_path / "ultra")
     filled = [o.format(empty=tmp_path / "empty", root=tmp_path, mixed=tmp_path / "mixed", ultra=ultra)
               for o in overrides]
     r = run_entrypoint(["finetune", "--config", str(fixture_dir.config), f"output.dir={tmp_path / 'out'}",
@@ -269,3 +348,35 @@ def test_a_weight_that_is_not_positive_is_exit_2(fixture_dir, tmp_path):
     r = run_entrypoint(["finetune", "--config", str(config), f"output.dir={tmp_path / 'out'}"], timeout=120)
     assert r.returncode == 2 and "data.sources[0].weight" in r.stderr and "data.sources[1].weight" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_weights_at_the_float_limits_share_the_documents_as_equal_weights_do(tokenizer, tmp_path):
+    """Two weights of 1e308 sum to inf in floats: every document must still be trained on."""
+    from entrypoint.data.corpus import read_corpus
+    from entrypoint.data.corpus_build import build, quotas
+
+    sources = []
+    for s in range(2):
+        path = tmp_path / f"s{s}.jsonl"
+        path.write_text("".join(json.dumps({"text": f"{WORDS[s]} {i}"}) + "\n" for i in range(150)))
+        sources.append({"path": str(path), "weight": 1e308})
+    cfg = build_config([{"model": {"path": "m"}, "data": {"sources": sources, "schema": "text", "max_length": 64},
+                         "packing": {"budget": 64}}])
+    corpus = read_corpus(build(cfg, tokenizer, tmp_path / "cache", log=lambda m: None).train)
+    assert len(corpus) == 300 and len(set(corpus.rows.tolist())) == 150   # 150 rows from each source
+    assert quotas([150, 150], [5e-324, 5e-324]) == [150, 150] and quotas([3, 3], [1e308, 5e-324]) == [6, 0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(st.tuples(st.integers(0, 10 ** 6), st.floats(min_value=5e-324, max_value=1.7976931348623157e308)),
+                      min_size=1, max_size=6))
+def test_quotas_share_every_document_by_weight_for_any_finite_positive_weights(parts):
+    from fractions import Fraction
+
+    from entrypoint.data.corpus_build import quotas
+
+    sizes, weights = [n for n, _ in parts], [w for _, w in parts]
+    counts = quotas(sizes, weights)
+    total, scale = sum(sizes), sum(Fraction(w) for w in weights)
+    assert sum(counts) == total and all(c >= 0 for c in counts)
+    assert all(abs(c - Fraction(w) * total / scale) < 1 for c, w in zip(counts, weights))

@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -246,3 +248,135 @@ def test_fuzz_kernel_export_folders(workspace, signed_export, tmp_path_factory, 
     cached = [p for p in (root / "cache").rglob("*") if p.is_file()] if (root / "cache").exists() else []
     assert all(p.read_bytes() != b"untouched" for p in cached)   # the outside file never lands in the cache
     assert not os.path.exists(MARKER)
+
+
+# ---- numbers at their limits: every number the finetune config takes -----------------------------
+
+def _numeric_fields(kind: type) -> list[tuple[str, type, dict]]:
+    """(dotted path, float or int, rule metadata) of every number field of the finetune config,
+    data.sources' entries included (as data.sources[0].<key>): new fields are fuzzed unasked."""
+    import dataclasses
+    import typing
+
+    from contracts.finetune_config import FinetuneConfig
+
+    out = []
+
+    def walk(node: type, prefix: str) -> None:
+        hints = typing.get_type_hints(node)
+        for f in dataclasses.fields(node):
+            key, hint = f.metadata.get("key") or f.name, hints[f.name]
+            inner = [a for a in typing.get_args(hint) if a is not type(None)]
+            if dataclasses.is_dataclass(hint):
+                walk(hint, f"{prefix}{key}.")
+            elif typing.get_origin(hint) is list and inner and dataclasses.is_dataclass(inner[0]):
+                walk(inner[0], f"{prefix}{key}[0].")
+            elif kind in (hint, *([inner[0]] if len(inner) == 1 and typing.get_origin(hint) is not list else [])):
+                out.append((f"{prefix}{key}", kind, dict(f.metadata)))
+
+    walk(FinetuneConfig, "")
+    return out
+
+
+FLOAT_FIELDS = _numeric_fields(float)
+INT_FIELDS = _numeric_fields(int)
+LIMITS = [10 ** 400, -10 ** 400, 2 ** 63, 2 ** 63 - 1, -2 ** 63, 2 ** 64, 1e308, -1e308, 5e-324, -0.0, 0, 1, 0.5,
+          float("nan"), float("inf"), float("-inf"), True, None, [1.0], {"a": 1}]
+NUMBER_TEXT = st.sampled_from(["nan", "NaN", "inf", "-inf", "infinity", "1e400", "-1e400", "1e308", "0.5", " 2e-5 ",
+                               "0x10", "1_000", "", "1e", "99999999999999999999999", "9223372036854775808", "-0"])
+NUMBER = (st.floats(allow_nan=True, allow_infinity=True) | st.floats(min_value=-2.0, max_value=2.0)
+          | st.integers() | st.integers(min_value=-2 ** 70, max_value=2 ** 70) | st.sampled_from(LIMITS)
+          | NUMBER_TEXT | st.text(max_size=6))
+
+
+def _tree(dotted: str, value) -> dict:
+    section, rest = dotted.split(".", 1)
+    if rest.startswith("sources[0]."):
+        return {section: {"sources": [{"path": "d.jsonl", rest.removeprefix("sources[0]."): value}]}}
+    return {section: {rest: value}}
+
+
+def _accepted(kind: type, value, meta: dict):
+    """What the engine must make of `value` (None: refused), computed from the field's declared rule."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    if isinstance(value, str):
+        try:
+            value = kind(value) if kind is float else int(value) if re.fullmatch(r"[+-]?\d{1,18}", value.strip()) \
+                else None
+        except ValueError:
+            return None
+    if value is None or (kind is int and not isinstance(value, int)):
+        return None
+    try:
+        number = float(value) if kind is float else value
+    except OverflowError:
+        return None
+    if kind is float and not math.isfinite(number) or kind is int and not -2 ** 63 <= number < 2 ** 63:
+        return None
+    ge, gt, le = meta.get("ge"), meta.get("gt"), meta.get("le")
+    ok = (ge is None or number >= ge) and (gt is None or number > gt) and (le is None or number <= le)
+    return number if ok else None
+
+
+def _check_number(field: str, kind: type, meta: dict, value, carrier: str) -> None:
+    from contracts import safe_yaml
+    from contracts.finetune_config import ConfigError, build_config
+
+    raw = value
+    if carrier == "override":   # KEY=VALUE on a command line: the value is text
+        raw = value if isinstance(value, str) else json.dumps(value)
+    tree = _tree(field, raw)
+    if carrier == "yaml":
+        tree = safe_yaml.loads(yaml.safe_dump(tree))
+    want = _accepted(kind, raw, meta)
+    if raw is None:     # `key: null` means "the default", as for every field
+        build_config([tree], require_paths=False)
+        return
+    try:
+        cfg = build_config([tree], require_paths=False)
+        problems = []
+    except ConfigError as exc:
+        cfg, problems = None, [p for p in exc.problems if p.field == field]
+        assert all(p.fix and "Traceback" not in p.problem for p in exc.problems)
+    if want is None:
+        assert problems, f"{field}={raw!r} ({carrier}) was accepted"
+        assert problems[0].code in ("out-of-range", "wrong-type"), problems[0]
+        if problems[0].code == "out-of-range":
+            assert "(allowed: " in problems[0].problem and "None" not in problems[0].problem, problems[0]
+    else:
+        assert not [p for p in problems if p.code in ("out-of-range", "wrong-type")], (field, raw, problems)
+        if cfg is not None:
+            node = cfg
+            for part in field.replace("[0]", ".0").split("."):
+                node = node[int(part)] if part.isdigit() else getattr(node, {"async": "async_save"}.get(part, part))
+            assert node == want and type(node) is kind, (field, raw, node)
+
+
+def test_the_fuzz_sees_every_number_of_the_config():
+    names = {f for f, _, _ in FLOAT_FIELDS}
+    assert {"train.lr", "train.min_lr_ratio", "data.eval_fraction", "data.sources[0].weight",
+            "output.peak_tflops"} <= names and len(names) >= 10
+    assert {"packing.budget", "train.seed", "train.max_steps", "train.epochs"} <= {f for f, _, _ in INT_FIELDS}
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), carrier=st.sampled_from(["layer", "yaml", "override"]))
+def test_fuzz_config_floats(data, carrier):
+    """A finite number in the field's declared range is accepted as that number; anything else (nan,
+    inf, 1e400, an integer past a float, text, a bool) is a named config problem, never an exception."""
+    field, kind, meta = data.draw(st.sampled_from(FLOAT_FIELDS))
+    edges = [b for b in (meta.get("ge"), meta.get("gt"), meta.get("le")) if b is not None]
+    near = [math.nextafter(b, d) for b in edges for d in (-math.inf, math.inf)] + edges
+    value = data.draw(NUMBER | st.sampled_from(near or [0.0]))
+    _check_number(field, kind, meta, value, carrier)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(data=st.data(), carrier=st.sampled_from(["layer", "yaml", "override"]))
+def test_fuzz_config_integers(data, carrier):
+    """The same for integers: in range and within signed 64 bits, or a named problem."""
+    field, kind, meta = data.draw(st.sampled_from(INT_FIELDS))
+    edges = [int(b) for b in (meta.get("ge"), meta.get("le")) if b is not None]
+    value = data.draw(NUMBER | st.sampled_from([e + d for e in edges for d in (-1, 0, 1)] or [0]))
+    _check_number(field, kind, meta, value, carrier)
