@@ -5,6 +5,10 @@ Every rank runs the same number of forward passes (FSDP2 all-gathers inside each
 micro-batches are dealt round-robin, and a rank with fewer gets a copy of one with no loss tokens.
 Samples are generated the same way, in lockstep, for exactly eval.max_new_tokens tokens, with no
 cache: no rank ever holds the full weights, and none can stop early and leave the others waiting.
+
+An evaluation can run for hours (eval.samples x eval.max_new_tokens forward passes), so a stop
+request is checked before every forward pass, all ranks deciding together: a stop on any rank
+ends the evaluation on all of them (EvalInterrupted) and the trainer checkpoints.
 """
 from __future__ import annotations
 
@@ -20,6 +24,16 @@ from entrypoint.data.micro_batches import MicroBatch, build_micro_batch
 from entrypoint.data.packing import pack_windows
 from entrypoint.distributed import collectives
 from entrypoint.loss import loss_sum, to_device
+
+
+class EvalInterrupted(Exception):
+    """A stop request (SIGTERM, SIGINT, the launcher gone) on some rank, during an evaluation."""
+
+
+def check_stop(stop, device: torch.device) -> None:
+    """Before a forward pass: every rank leaves together when any asked to stop."""
+    if stop is not None and collectives.any_rank(bool(stop()), device):
+        raise EvalInterrupted
 
 
 @dataclass
@@ -80,27 +94,32 @@ class Evaluator:
         return self.mine + [empty] * (self.per_rank - len(self.mine))
 
     @torch.no_grad()
-    def loss(self, model) -> tuple[float, int]:
-        """(eval loss, loss tokens) over every held-out document: a global per-token mean."""
+    def loss(self, model, stop=None) -> tuple[float, int]:
+        """(eval loss, loss tokens) over every held-out document: a global per-token mean. `stop`:
+        a callable() -> bool, checked before each micro-batch (EvalInterrupted)."""
         was_training = model.training
         model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = 0
-        for mb in self._padded():
-            total += loss_sum(model, to_device(mb.inputs, self.device), mb.labels.to(self.device),
-                              self.loss_chunk_tokens).double()
-            tokens += mb.n_loss
-        if was_training:
-            model.train()
+        try:
+            for mb in self._padded():
+                check_stop(stop, self.device)
+                total += loss_sum(model, to_device(mb.inputs, self.device), mb.labels.to(self.device),
+                                  self.loss_chunk_tokens).double()
+                tokens += mb.n_loss
+        finally:
+            if was_training:
+                model.train()
         summed = collectives.sum_across_ranks(torch.stack([total, torch.tensor(float(tokens), dtype=torch.float64,
                                                                                 device=self.device)]),
                                               self.device).tolist()
         return (summed[0] / summed[1] if summed[1] else math.nan), int(summed[1])
 
     @torch.no_grad()
-    def samples(self, model, tokenizer, n: int, max_new_tokens: int) -> list[dict]:
+    def samples(self, model, tokenizer, n: int, max_new_tokens: int, stop=None) -> list[dict]:
         """Greedy completions of the first `n` held-out prompts (each document up to its last reply),
-        generated in lockstep on every rank; rank 0 gets them all."""
+        generated in lockstep on every rank; rank 0 gets them all. `stop` as for loss(), checked
+        before each generated token."""
         import torch.distributed as dist
 
         prompts = []
@@ -118,22 +137,25 @@ class Evaluator:
         was_training = model.training
         model.eval()
         out = []
-        for k, (i, start) in enumerate(work):
-            ids = torch.as_tensor(self.corpus.doc_tokens(i)[:start].astype(np.int64), device=self.device)[None]
-            new = []
-            for _ in range(max_new_tokens):
-                logits = model(input_ids=ids, use_cache=False).logits[:, -1]
-                token = logits.argmax(dim=-1, keepdim=True)
-                ids = torch.cat([ids, token], dim=1)
-                new.append(token)
-            if k < len(mine):
-                generated = torch.cat(new, dim=1)[0].tolist()
-                out.append({"row": int(self.corpus.rows[i]),
-                            "prompt": tokenizer.decode(self.corpus.doc_tokens(i)[:start].tolist()),
-                            "completion": tokenizer.decode(generated, skip_special_tokens=False),
-                            "reference": tokenizer.decode(self.corpus.doc_tokens(i)[start:].tolist())})
-        if was_training:
-            model.train()
+        try:
+            for k, (i, start) in enumerate(work):
+                ids = torch.as_tensor(self.corpus.doc_tokens(i)[:start].astype(np.int64), device=self.device)[None]
+                new = []
+                for _ in range(max_new_tokens):
+                    check_stop(stop, self.device)
+                    logits = model(input_ids=ids, use_cache=False).logits[:, -1]
+                    token = logits.argmax(dim=-1, keepdim=True)
+                    ids = torch.cat([ids, token], dim=1)
+                    new.append(token)
+                if k < len(mine):
+                    generated = torch.cat(new, dim=1)[0].tolist()
+                    out.append({"row": int(self.corpus.rows[i]),
+                                "prompt": tokenizer.decode(self.corpus.doc_tokens(i)[:start].tolist()),
+                                "completion": tokenizer.decode(generated, skip_special_tokens=False),
+                                "reference": tokenizer.decode(self.corpus.doc_tokens(i)[start:].tolist())})
+        finally:
+            if was_training:
+                model.train()
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, out)
         return [s for part in gathered for s in part] if self.rank == 0 else []

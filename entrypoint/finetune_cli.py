@@ -71,9 +71,26 @@ def export(argv: list[str]) -> int:
 def finetune(argv: list[str]) -> int:
     if argv[:1] == ["export"]:
         return export(argv[1:])
+    from entrypoint.launcher.supervise import StopBeforeLaunch, Stops
+
+    with Stops() as stops:   # SIGINT/SIGTERM from here on: ends preflight, or reaches the workers (supervise.py)
+        try:
+            return _finetune(argv, stops)
+        except StopBeforeLaunch as exc:
+            return stopped_before_launch(exc, log)
+
+
+def stopped_before_launch(exc, say) -> int:
+    say(f"[finetune] stopped by {exc} before any worker started: nothing was trained, nothing needs saving; "
+        "rerun the same command to start (or resume)")
+    return 128 + exc.signum
+
+
+def _finetune(argv: list[str], stops) -> int:
     from contracts.events import EventLog
     from contracts.finetune_config import ConfigError
     from entrypoint.launcher.preflight import FinetuneError, prepare, print_config
+    from entrypoint.launcher.supervise import StopBeforeLaunch, run_agent
     from entrypoint.observability.console import JSON_LOGS_ENV
 
     args = finetune_parser().parse_intermixed_args(argv)   # KEY=VALUE before or after the flags
@@ -95,16 +112,17 @@ def finetune(argv: list[str]) -> int:
     except (ConfigError, FinetuneError) as exc:
         fail(str(exc), getattr(exc, "fix", ""))
         return getattr(exc, "exit_code", EXIT_USAGE)
+    except StopBeforeLaunch as exc:
+        return stopped_before_launch(exc, say)
     if launch is None:   # nothing to do (a finished run): prepare said so
         return 0
     if args.dry_run:
         print(json.dumps({"argv": launch.argv, "plan": str(launch.plan_path)}, indent=2))
         return 0
+    stops.hand_over()   # from `launching:` on, a stop is kept for the workers, however early it comes
     say(f"[finetune] launching: {' '.join(launch.argv)}")
-    from entrypoint.launcher.supervise import run_agent
-
     return run_agent(launch.argv, launch.env, launch.plan.config.output.dir,
-                     events=events if args.json_logs else None, log=say)
+                     events=events if args.json_logs else None, log=say, stops=stops)
 
 
 def inspect_data(argv: list[str]) -> int:

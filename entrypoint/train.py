@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import traceback
 from dataclasses import asdict
@@ -19,13 +18,12 @@ import torch.distributed as dist
 from contracts import atomic
 from contracts.finetune_config import ConfigError
 from contracts.folder_guard import UnsafeFolder
-from contracts.parent_death import die_with_parent
 from entrypoint.checkpoint.dcp import CheckpointError, DiskFull
 from entrypoint.data.sampler import SamplerStateError
 from entrypoint.data.sources import DataError
 from entrypoint.distributed import collectives
-from entrypoint.launcher.agent import LAUNCHER_PID_ENV
 from entrypoint.launcher.run_plan import RunPlan
+from entrypoint.launcher.stop_request import LAUNCHER_PID_ENV, StopRequest, die_with_launcher, hold, watch_launcher
 from entrypoint.model import ModelError
 from entrypoint.observability.console import Console
 from entrypoint.step import NonFiniteLoss
@@ -34,43 +32,7 @@ from entrypoint.trainer import Trainer
 USER_ERRORS = (ConfigError, DataError, ModelError, SamplerStateError, CheckpointError, NonFiniteLoss,
                UnsafeFolder)  # carry a fix
 ONCE_ERRORS = (DiskFull, NonFiniteLoss)
-
-
-class StopRequest:
-    """SIGTERM (docker stop, a preempted pod) or SIGINT (Ctrl-C, passed on by the launcher) asks the
-    run to stop at the next step boundary, after a checkpoint, rather than dying mid-step. A
-    second SIGINT stops this worker at once."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.signum = 0
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested and signum == signal.SIGINT and self.signum == signal.SIGINT:
-            os._exit(128 + signum)   # the launcher already said that nothing more is saved
-        self.requested = True
-        self.signum = signum
-
-    @property
-    def signal_name(self) -> str:
-        return signal.Signals(self.signum).name if self.signum else ""
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + (self.signum or signal.SIGTERM)
-
-    def __call__(self) -> bool:
-        return self.requested
-
-
-def die_with_launcher() -> None:
-    """If the launcher dies (even by SIGKILL), this worker gets SIGTERM: it checkpoints at the
-    next step boundary and exits, instead of living on as an orphan on the host. The launcher may
-    have died before the request took hold; its PID (the torchrun agent's) tells."""
-    launcher = os.environ.get(LAUNCHER_PID_ENV, "")
-    die_with_parent(signal.SIGTERM, expected_parent=int(launcher) if launcher.isdigit() else None)
+__all__ = ["LAUNCHER_PID_ENV", "StopRequest", "die_with_launcher", "main", "run"]
 
 
 def run(plan: RunPlan, stop: StopRequest) -> dict:
@@ -80,7 +42,7 @@ def run(plan: RunPlan, stop: StopRequest) -> dict:
         from entrypoint.launcher.export_job import run_export
 
         result = run_export(plan, rank, world, device)
-        collectives.barrier(device)
+        result["stopped_while_finishing"] = collectives.any_rank(stop(), device)   # a barrier too
         return result
     if plan.allow_fallback:
         Console(rank).every_rank(
@@ -90,11 +52,14 @@ def run(plan: RunPlan, stop: StopRequest) -> dict:
     trainer = Trainer.build(cfg, plan, rank, world, device)
     trainer.stop_requested = stop
     trainer.resume()
-    trainer.fit()
+    if plan.action != "finish":   # "finish": the final checkpoint is saved; publish what the run still owes
+        trainer.fit()
     result = trainer.finish()
-    # Leave together: a rank tearing down gloo while rank 0 still writes the export can
-    # abort at exit ("terminate called without an active exception").
-    collectives.barrier(device)
+    # Leave together (a rank tearing down gloo while rank 0 still writes the export can abort at
+    # exit: "terminate called without an active exception"), agreeing on a stop that came while
+    # the run finished: it finished (checkpoint, export, report), and exits 128 + N all the same.
+    stopped = collectives.any_rank(stop(), device)
+    result["stopped_while_finishing"] = stopped and not result["interrupted"]
     return result
 
 
@@ -110,9 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m entrypoint.train")
     parser.add_argument("--plan", required=True, help="run plan JSON written by `python -m entrypoint finetune`")
     args = parser.parse_args(argv)
+    hold("handlers")   # tests: the window before this worker can take a signal
     stop = StopRequest()
     die_with_launcher()
     plan = RunPlan.read(Path(args.plan))
+    watch_launcher(stop, plan.config.launch.stop_grace_seconds, int(os.environ.get("RANK", 0)))
     report_path = Path(plan.config.output.dir) / "run_report.json"
     rank = int(os.environ.get("RANK", 0))
     try:
@@ -133,16 +100,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    if result["interrupted"]:
+    stopped = result["interrupted"] or result.get("stopped_while_finishing")
+    if stopped:
         result["stop_signal"] = stop.signal_name or "another rank's"
     if plan.action == "export":
-        return 0
+        return stop.exit_code if stopped else 0
     if rank == 0:
         status = "interrupted" if result["interrupted"] else "early_stopped" if result.get("early_stopped") else \
             "completed"
         write_report(report_path, plan, result, status)
         Console(rank).summary(result, report_path)
-    return stop.exit_code if result["interrupted"] else 0
+        if result.get("stopped_while_finishing"):
+            Console(rank).info(f"{result['stop_signal']} came while the run was finishing: it finished first (final "
+                               f"checkpoint, export, report); exit {stop.exit_code}")
+    return stop.exit_code if stopped else 0
 
 
 if __name__ == "__main__":

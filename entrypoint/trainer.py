@@ -4,8 +4,9 @@ build: data (tokenized once by the launcher, before the ranks started) -> sample
 (every rank builds it on meta, applies activation checkpointing and FSDP2, then reads only its
 own shards of the HF safetensors: model.sharded_model) -> AdamW + transformers' warmup/cosine-with-floor schedule ->
 checkpointer. Then resume (refusing what it would silently ignore, resume.py), fit (steps,
-logs, checkpoints; a stop request ends at the next step boundary with a checkpoint), finish
-(final checkpoint, HF export, the run's totals).
+logs, checkpoints; a stop request, checked by all ranks together at every step, inside evaluations
+and after saves and exports, ends it with a checkpoint), finish (final checkpoint, HF export, the
+run's totals; a stop request waits for them).
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from entrypoint.checkpoint.hf_safetensors import export as hf_export
 from entrypoint.data.corpus import Corpus, read_corpus
 from entrypoint.data.micro_batches import MicroBatch, build_micro_batch
 from entrypoint.data.sampler import PackedSampler
+from entrypoint.distributed import collectives
 from entrypoint.distributed.parallelize import DTYPES
-from entrypoint.evaluate import EvalState, Evaluator
+from entrypoint.evaluate import EvalInterrupted, EvalState, Evaluator
 from entrypoint.launcher.run_plan import RunPlan
 from entrypoint.model import load_tokenizer, resolve_attention, sharded_model
 from entrypoint.observability.console import Console
@@ -204,6 +206,11 @@ class Trainer:
         self.totals.best_eval_loss, self.totals.best_step = self.evals.best_loss, self.evals.best_step
         self.step = self.last_saved = step
         self.resumed_from = str(path)
+        if self.plan.action == "finish":   # the final checkpoint: no more steps; its outcome and last loss
+            from entrypoint.observability.run_summary import logged_loss
+
+            self.early_stopped, self.last_loss = bool(state.get("early_stopped")), logged_loss(
+                self.out / "metrics.jsonl", step)
         if self.rank == 0:
             from entrypoint.observability.trackers import drop_records_after
 
@@ -223,7 +230,7 @@ class Trainer:
         t = self.cfg.train
         return run_step(self.model, self.optimizer, self.scheduler, mbs, device=self.device, world=self.world,
                         grad_clip=t.grad_clip, loss_chunk_tokens=t.loss_chunk_tokens,
-                        stop=bool(self.stop_requested and self.stop_requested()), step=self.step, epoch=epoch,
+                        stop=self.stop_flag(), step=self.step, epoch=epoch,
                         data_s=time.perf_counter() - td, readback=self.readback)
 
     def fit(self) -> None:
@@ -258,33 +265,52 @@ class Trainer:
                     self.interrupted = True
                     self.save(wait=True)   # waits for a save in flight, then writes this one whole
                     return
-                improved = False
+                improved = boundary = False   # boundary: long work after the step, then a stop check
                 if self.evaluator and cfg.train.eval_every and (self.step % cfg.train.eval_every == 0
                                                                 or self.step == self.total_steps):
                     t_eval = time.perf_counter()
-                    improved = self.evaluate(metrics)
+                    try:
+                        improved, boundary = self.evaluate(metrics), True
+                    except EvalInterrupted:
+                        self.stop_here()
+                        return
                     interval_start += time.perf_counter() - t_eval   # evaluation is not step time
                     if self.early_stopped:
                         self.save(wait=True)
                         return
                 if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or \
                         (improved and cfg.checkpoint.keep_best):
-                    t_save = time.perf_counter()
+                    t_save, boundary = time.perf_counter(), True
                     self.save()
                     interval_start += time.perf_counter() - t_save  # checkpoint time is not step time
                 if cfg.checkpoint.export_every and self.step % cfg.checkpoint.export_every == 0 and \
                         self.step < self.total_steps:
-                    t_export = time.perf_counter()
+                    t_export, boundary = time.perf_counter(), True
                     self.export(self.out / "exports" / f"step-{self.step:08d}")
                     interval_start += time.perf_counter() - t_export
+                if boundary and collectives.any_rank(self.stop_flag(), self.device):
+                    self.stop_here()
+                    return
         finally:
             profiler.close()
             metrics.close()
 
+    def stop_flag(self) -> bool:
+        """This rank's stop request (the worker's signal handler); the ranks agree on it in collectives."""
+        return bool(self.stop_requested and self.stop_requested())
+
+    def stop_here(self) -> None:
+        """A stop request at a step boundary: this step's checkpoint (just written, or now)."""
+        self.interrupted = True
+        if self.last_saved == self.step:
+            self.ckpt.wait()   # an async save of this step may still be in flight
+        else:
+            self.save(wait=True)
+
     def evaluate(self, metrics) -> bool:
         """Eval loss (and samples) at this step; early stopping. True when it is the best so far."""
         cfg = self.cfg
-        loss, tokens = self.evaluator.loss(self.model)
+        loss, tokens = self.evaluator.loss(self.model, stop=self.stop_flag)
         improved = self.evals.update(self.step, loss)
         self.totals.best_eval_loss, self.totals.best_step = self.evals.best_loss, self.evals.best_step
         metrics.write({"step": self.step, "kind": "eval", "eval_loss": loss, "eval_tokens": tokens,
@@ -292,7 +318,8 @@ class Trainer:
         self.con.info(f"eval step {self.step}: loss {loss:.4f} over {tokens} tokens (best {self.evals.best_loss:.4f} "
                       f"at step {self.evals.best_step})")
         if cfg.eval.samples:
-            samples = self.evaluator.samples(self.model, self.tokenizer, cfg.eval.samples, cfg.eval.max_new_tokens)
+            samples = self.evaluator.samples(self.model, self.tokenizer, cfg.eval.samples, cfg.eval.max_new_tokens,
+                                             stop=self.stop_flag)
             if self.rank == 0:
                 from contracts.folder_guard import open_append_nofollow
 
@@ -335,13 +362,14 @@ class Trainer:
     def export(self, out_dir: Path) -> Path | None:
         """The model as HF safetensors every rank writes its part of (hf_checkpoint.export)."""
         from contracts.folder_guard import real_dir
+        from entrypoint.launcher.stop_request import hold
 
         if self.rank == 0:
             real_dir(out_dir.parent)
         started = time.perf_counter()
         exported = hf_export(self.model, self.model.config, self.tokenizer, Path(self.cfg.model.path), out_dir,
                              dtype=DTYPES[self.cfg.checkpoint.export_dtype], rank=self.rank,
-                             barrier=self.ckpt.barrier)
+                             barrier=lambda: (hold("export"), self.ckpt.barrier()))   # hold: tests' window
         self.con.info(f"exported HF safetensors to {out_dir} in {time.perf_counter() - started:.1f}s")
         return exported
 

@@ -50,6 +50,12 @@ def max_across_ranks(values: list[float], device: torch.device) -> torch.Tensor:
     return tensor
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on any (a stop request): the ranks decide together.
+    A host sync, and a barrier."""
+    return bool(max_across_ranks([1.0 if flag else 0.0], device)[0].item())
+
+
 def barrier(device: torch.device) -> None:
     """A barrier that runs on the training device's backend (NCCL's barrier otherwise guesses
     a device from the rank, which is wrong when LOCAL_RANK does not map to it)."""

@@ -15,9 +15,10 @@ import signal
 import sys
 
 from contracts.parent_death import die_with_parent
+from entrypoint.launcher.stop_request import LAUNCHER_PID_ENV, SUPERVISOR_PID_ENV
 from entrypoint.observability.console import err, log
 
-LAUNCHER_PID_ENV = "FTIMAGE_LAUNCHER_PID"   # the workers' parent: this agent
+__all__ = ["LAUNCHER_PID_ENV", "main", "run"]
 
 
 def quiet_torchrun() -> None:
@@ -56,7 +57,9 @@ def run(output_dir: str, torchrun_args: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    die_with_parent(signal.SIGTERM)   # the launcher died: the agent gets SIGTERM, the workers then theirs
+    # the launcher died (even before this call): the agent gets SIGTERM, the workers then theirs
+    launcher = os.environ.get(SUPERVISOR_PID_ENV, "")
+    die_with_parent(signal.SIGTERM, expected_parent=int(launcher) if launcher.isdigit() else None)
     return run(argv[0], argv[1:])
 
 

@@ -270,11 +270,17 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
         raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
     check_mesh(cfg, topo.nnodes * topo.nproc_per_node)
     resumed = preflight_resume(cfg, log)
+    action = "train"
     if resumed and resumed.get("complete") and not resumed["changes"]:
-        log(f"[finetune] already complete: {resumed['path']} is step {resumed['step']} of {resumed.get('total_steps')}"
-            "; nothing to do (to train further: raise train.max_steps with checkpoint.allow_changed=[train.max_steps],"
-            " or use a new output.dir)")
-        return None
+        missing = unpublished(cfg, resumed)
+        if not missing:
+            log(f"[finetune] already complete: {resumed['path']} is step {resumed['step']} of "
+                f"{resumed.get('total_steps')}; nothing to do (to train further: raise train.max_steps with "
+                "checkpoint.allow_changed=[train.max_steps], or use a new output.dir)")
+            return None
+        action = "finish"
+        log(f"[finetune] {Path(resumed['path']).name} is the run's final checkpoint, but {'; '.join(missing)}: "
+            "finishing the run from it (no more training)")
 
     check_trackers(cfg, env)
     log("[finetune] running verify (the run stops unless it passes)")
@@ -301,7 +307,7 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
                    allow_fallback=bool(allow_fallback and not outcome.passed), allow_fallback_flag=bool(allow_fallback),
                    packing=packing, lock=lock, topology=topo.__dict__, corpus=str(built.train),
                    eval_corpus=str(built.eval or ""),
-                   provenance=provenance(layers), launched_at=launched_at)
+                   provenance=provenance(layers), launched_at=launched_at, action=action)
     try:
         launch_dir = real_dir(Path(cfg.output.dir) / ".launch")
     except UnsafeFolder as exc:
@@ -309,6 +315,27 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
     plan_path = plan.write(launch_dir / f"plan-node{topo.node_rank}.json")
     wenv = worker_env(cfg, topo, {**env, **caches})
     return Launch(argv=torchrun_argv(topo, plan_path), env=wenv, plan_path=plan_path, plan=plan)
+
+
+def unpublished(cfg: FinetuneConfig, resumed: dict) -> list[str]:
+    """What a run whose final checkpoint is saved has not published yet: a run is complete only
+    with the final checkpoint, the HF export (checkpoint.export) and a run report that says so."""
+    from contracts.atomic import TMP_PREFIX
+    from contracts.folder_guard import is_real_dir, is_real_file
+    from entrypoint.checkpoint.dcp import read_json_nofollow
+
+    out, missing = Path(cfg.output.dir), []
+    if cfg.checkpoint.export and not is_real_file(out / "final" / "config.json"):
+        missing.append("final/ (the HF export) was never published")
+    elif cfg.checkpoint.export and is_real_dir(out / f"{TMP_PREFIX}final"):   # the export replaces it
+        missing.append(f"an export was cut short ({TMP_PREFIX}final)")
+    try:
+        report = read_json_nofollow(out / "run_report.json")
+    except (OSError, ValueError):
+        report = {}
+    if report.get("status") not in ("completed", "early_stopped") or report.get("final_step") != resumed["step"]:
+        missing.append("run_report.json does not say it completed")
+    return missing
 
 
 def check_fingerprint(cfg: FinetuneConfig, resumed: dict, corpus_path: Path) -> None:

@@ -33,7 +33,8 @@ class RunPlan:
     eval_corpus: str = ""              # the evaluation corpus's manifest ("" = no evaluation data)
     provenance: dict[str, str] = field(default_factory=dict)   # config key -> the layer that set it
     launched_at: float = 0.0           # time.time() when the launcher began (wall time, time to first step)
-    action: str = "train"              # train | export (finetune export --checkpoint)
+    action: str = "train"              # train | export (finetune export --checkpoint) | finish (the final
+    #                                    checkpoint is saved: publish the export and the report it still owes)
     export_checkpoint: str = ""        # the step folder an export reads
 
     @property

@@ -3,9 +3,14 @@ into checkpoints, and (with --json-logs) make every line of output a JSON event.
 
 Stop signals. Ctrl-C (SIGINT) and SIGTERM (`docker stop`, a preempted pod) reach the launcher;
 the agent and its workers live in other sessions, so a terminal never signals them directly.
-  * the first one is passed to each worker, which checkpoints at the next step boundary, writes
-    run_report.json with `interrupted: true` and exits 128 + N (130 for SIGINT, 143 for SIGTERM);
-    torchrun keeps waiting for them, however long the checkpoint takes;
+  * before `launching:` (verify, tokenising) one ends the launcher there: StopBeforeLaunch, exit
+    128 + N, with nothing trained and nothing to save (the verify and tokenizer processes end too);
+  * from `launching:` on, the first one is recorded and passed to each worker as soon as it can
+    take it (stop_request.py: none is lost to a worker still starting), which checkpoints at the
+    next step boundary or out of an evaluation, writes run_report.json with `interrupted: true`
+    and exits 128 + N (130 for SIGINT, 143 for SIGTERM); torchrun keeps waiting for them, however
+    long the checkpoint takes. One that comes while the run finishes lets it finish (final
+    checkpoint, export, report), and the exit code is 128 + N all the same;
   * a second SIGINT stops everything at once, and says that nothing more was saved.
 
 One JSON stream. torchrun, gloo/NCCL and the workers write to their file descriptors directly.
@@ -15,6 +20,7 @@ of the project's events passes through, anything else is wrapped into an event (
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,8 +31,45 @@ import time
 from pathlib import Path
 
 from contracts.events import EventLog
+from contracts.folder_guard import real_dir
+from entrypoint.launcher.stop_request import STOP_SIGNALS, SUPERVISOR_PID_ENV, StopBox
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+class StopBeforeLaunch(BaseException):
+    """SIGINT or SIGTERM before the workers were launched (BaseException, as KeyboardInterrupt is:
+    nothing on the way catches it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Stops:
+    """Every stop signal the launcher gets, `with` it: before `hand_over()` one raises
+    StopBeforeLaunch wherever the launcher is; after, it is recorded for the Supervisor."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.handing_over = False
+        self.previous: dict = {}
+
+    def __enter__(self) -> Stops:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        self.previous = {}
+
+    def hand_over(self) -> None:
+        self.handing_over = True
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.received.append(signum)
+        if not self.handing_over:
+            raise StopBeforeLaunch(signum)
 
 
 def children(pid: int) -> list[int]:
@@ -78,54 +121,65 @@ def _pump(stream, events: EventLog, phase: str) -> None:
 
 
 class Supervisor:
-    def __init__(self, argv: list[str], env: dict, *, output_dir: str, events: EventLog | None, log):
+    def __init__(self, argv: list[str], env: dict, *, output_dir: str, events: EventLog | None, log,
+                 stops: Stops | None = None):
         self.argv = argv
         self.env = env
         self.output_dir = output_dir
         self.events = events           # set: --json-logs (pipes, wrapped); None: inherit the terminal
         self.log = log
-        self.stops: list[int] = []
+        self.given = stops             # the launcher's, already handing over (finetune_cli.py)
+        self.stops: list[int] = stops.received if stops else []
         self.proc: subprocess.Popen | None = None
+        self.box: StopBox | None = None
         self.killed = False            # stopped at once by a second Ctrl-C
 
-    def _on_signal(self, signum, _frame) -> None:
-        self.stops.append(signum)
-
     def run(self) -> int:
+        with contextlib.nullcontext(self.given) if self.given else Stops() as stops:
+            stops.hand_over()
+            self.stops = stops.received
+            self.box = StopBox(real_dir(Path(self.output_dir) / ".launch"))
+            try:
+                code = self._run()
+            finally:
+                self.box.close()
+        if self.stops and code == 0:
+            code = 128 + self.stops[0]   # the run finished, and was asked to stop: the caller hears it
+        return code
+
+    def _run(self) -> int:
         pipes = subprocess.PIPE if self.events is not None else None
-        previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
-        try:
-            self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True, stdout=pipes, stderr=pipes)
-            pumps = []
-            if self.events is not None:
-                pumps = [threading.Thread(target=_pump, args=(s, self.events, "worker"), daemon=True)
-                         for s in (self.proc.stdout, self.proc.stderr)]
-                for pump in pumps:
-                    pump.start()
-            handled = 0
-            while True:
-                try:
-                    code = self.proc.wait(timeout=0.2)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                while handled < len(self.stops):
-                    self._stop(self.stops[handled], first=handled == 0)
-                    handled += 1
+        env = {**self.env, **self.box.env(), SUPERVISOR_PID_ENV: str(os.getpid())}
+        self.proc = subprocess.Popen(self.argv, env=env, start_new_session=True, stdout=pipes, stderr=pipes)
+        pumps = []
+        if self.events is not None:
+            pumps = [threading.Thread(target=_pump, args=(s, self.events, "worker"), daemon=True)
+                     for s in (self.proc.stdout, self.proc.stderr)]
             for pump in pumps:
-                pump.join(timeout=10)
-            return 128 + signal.SIGINT if self.killed else code
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+                pump.start()
+        handled = 0
+        while True:
+            try:
+                code = self.proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            while handled < len(self.stops):
+                self._stop(self.stops[handled], first=handled == 0)
+                handled += 1
+        for pump in pumps:
+            pump.join(timeout=10)
+        return 128 + signal.SIGINT if self.killed else code
 
     def _stop(self, signum: int, *, first: bool) -> None:
         name = signal.Signals(signum).name
         workers = children(self.proc.pid)
         if first:
+            ready, starting = self.box.request(signum, workers)
             self.log(f"[finetune] stop requested ({name}): the workers checkpoint at the next step boundary and exit"
-                     + ("; Ctrl-C again stops at once, saving nothing more" if signum == signal.SIGINT else ""))
-            _signal(workers, signum)
+                     + ("; Ctrl-C again stops at once, saving nothing more" if signum == signal.SIGINT else "")
+                     + ("" if ready else "; the workers still starting stop as soon as they are ready"))
+            _signal(ready, signum)
             return
         if signum != signal.SIGINT:
             return   # a repeated SIGTERM changes nothing: the checkpoint is on its way
@@ -136,13 +190,14 @@ class Supervisor:
                  f"resume from the newest checkpoint in {self.output_dir}/checkpoints")
 
 
-def run_agent(torchrun_argv: list[str], env: dict, output_dir: str, *, events: EventLog | None, log) -> int:
+def run_agent(torchrun_argv: list[str], env: dict, output_dir: str, *, events: EventLog | None, log,
+              stops: Stops | None = None) -> int:
     """Start `python -m entrypoint.launcher.agent` for this torchrun command line and supervise it."""
     start = torchrun_argv.index("torch.distributed.run") + 1
     flags = ["-I"] if sys.flags.isolated else []
     argv = [sys.executable, *flags, "-m", "entrypoint.launcher.agent", output_dir, *torchrun_argv[start:]]
     started = time.monotonic()
-    code = Supervisor(argv, env, output_dir=output_dir, events=events, log=log).run()
+    code = Supervisor(argv, env, output_dir=output_dir, events=events, log=log, stops=stops).run()
     if code < 0:
         code = 128 - code
     if events is not None:

@@ -159,6 +159,9 @@ def worker_env(cfg: FinetuneConfig, topo: Topology, env: dict) -> dict:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, topo.nproc_per_node))))
     env["PYTHONUNBUFFERED"] = "1"
+    # the launcher died: torchrun passes SIGTERM to the workers, and gives their checkpoint as long
+    # as a stop may take before it kills them (its own default: 30 s)
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(cfg.launch.stop_grace_seconds))
     if sys.flags.isolated:
         # torchrun starts the workers as `python -u -m entrypoint.train`, without -I: keep them
         # as isolated as this process (no working-directory or user-site modules, no PYTHONPATH)

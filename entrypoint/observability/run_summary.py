@@ -2,8 +2,10 @@
 tokens trained, mean tokens/s, MFU, peak memory and the best eval loss (where one exists)."""
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from contracts.events import format_seconds
 from entrypoint.observability.flops import peak_memory_bytes
@@ -104,3 +106,19 @@ def render(summary: dict) -> str:
     if summary.get("best_eval_loss") is not None:
         parts.append(f"best eval loss {summary['best_eval_loss']:.4f} (step {summary['best_step']})")
     return " | ".join(parts)
+
+
+def logged_loss(path: Path, step: int) -> float:
+    """The training loss metrics.jsonl logged at `step` (NaN when it holds none)."""
+    from contracts.folder_guard import is_real_file, read_bytes_nofollow
+
+    loss = float("nan")
+    if is_real_file(path):
+        for line in read_bytes_nofollow(path).decode("utf-8", "replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("step") == step and "loss" in record:
+                loss = float(record["loss"])
+    return loss
