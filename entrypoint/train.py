@@ -32,7 +32,7 @@ from entrypoint.trainer import Trainer
 USER_ERRORS = (ConfigError, DataError, ModelError, SamplerStateError, CheckpointError, NonFiniteLoss,
                UnsafeFolder)  # carry a fix
 ONCE_ERRORS = (DiskFull, NonFiniteLoss)
-__all__ = ["LAUNCHER_PID_ENV", "StopRequest", "die_with_launcher", "main", "run"]
+__all__ = ["main", "run"]
 
 
 def run(plan: RunPlan, stop: StopRequest) -> dict:

@@ -13,7 +13,7 @@ from entrypoint.train import LAUNCHER_PID_ENV
 pytestmark = pytest.mark.unit
 
 WORKER = """
-from entrypoint.train import StopRequest, die_with_launcher
+from entrypoint.launcher.stop_request import StopRequest, die_with_launcher
 stop = StopRequest()
 die_with_launcher()
 print("stop" if stop() else "run")
