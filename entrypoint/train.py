@@ -23,7 +23,7 @@ from entrypoint.data.sampler import SamplerStateError
 from entrypoint.data.sources import DataError
 from entrypoint.distributed import collectives
 from entrypoint.launcher.run_plan import RunPlan
-from entrypoint.launcher.stop_request import LAUNCHER_PID_ENV, StopRequest, die_with_launcher, hold, watch_launcher
+from entrypoint.launcher.stop_request import StopRequest, die_with_launcher, hold, watch_launcher
 from entrypoint.model import ModelError
 from entrypoint.observability.console import Console
 from entrypoint.step import NonFiniteLoss
