@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from entrypoint.train import LAUNCHER_PID_ENV
+from entrypoint.launcher.stop_request import LAUNCHER_PID_ENV
 
 pytestmark = pytest.mark.unit
 
