@@ -76,7 +76,7 @@ def build(guard: Guard) -> dict[str, Any]:
         "batches": {**guard.batches, "boundary_kwargs": sorted(guard.kwargs_seen),
                     "position_ids": sorted(guard.layouts), "outside_family_model": guard.unattributed},
         "functions": {name: function_entry(guard, rec) for name, rec in guard.records.items()},
-        "violations": [{"function": v.function, "message": v.message, "fix": v.fix} for v in guard.violations],
+        "violations": [{"function": v.function, "message": v.message, "fix": list(v.fix)} for v in guard.violations],
         "overrides": list(guard.overrides),
         "warnings": list(guard.warnings),
     }
@@ -128,7 +128,7 @@ def refusal_text(guard: Guard, problem: str) -> str:
     lines = [f"error: {PREFIX} refused this run ({where}): {first.message}"]
     lines += [f"  and: {v.message}" for v in rest]
     # one line per distinct fix: the torch-path alternative, say, is shared by every fallback
-    fixes = list(dict.fromkeys(part.strip() for v in guard.violations for part in v.fix.split("; ")))
+    fixes = list(dict.fromkeys(line for v in guard.violations for line in v.fix))
     lines += [f"  fix: {fix}" for fix in fixes]
     if guard.settings.report and not problem:
         lines.append(f"  report: {guard.settings.report}")

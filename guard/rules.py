@@ -9,23 +9,23 @@ from dataclasses import dataclass
 from guard.settings import ALLOW_FALLBACK_ENV
 
 FIX_BOUNDARIES = (
-    "pass the document boundaries down the model's kwargs: TRL `SFTConfig(padding_free=True)` (on with "
-    "`packing=True`, BFD) gives cu_seq_lens_q/k and seq_idx; transformers "
-    "`DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)` does too; or train with "
-    "this image's `finetune`, whose collator builds all of them")
+    "pass the document boundaries down the model's kwargs, as these do:",
+    "TRL: `SFTConfig(padding_free=True)` (on by default with `packing=True`, BFD) passes cu_seq_lens_q/k and seq_idx",
+    "transformers: `DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)`",
+    "this image's `finetune`: its collator builds all of them")
 FIX_ATTENTION = (
     'load the model with `attn_implementation="flash_attention_2"` (TRL: `SFTConfig(model_init_kwargs='
-    '{"attn_implementation": "flash_attention_2"})`, or `from_pretrained(..., attn_implementation='
-    '"flash_attention_2")`); with TRL also keep `padding_free=True` (or BFD packing)')
+    '{"attn_implementation": "flash_attention_2"})`; or `from_pretrained(..., attn_implementation='
+    '"flash_attention_2")`), and with TRL keep `padding_free=True` (or BFD packing)',)
 FIX_UNPACKED = (f"or, slowly, train on padded unpacked batches (TRL `packing=False, padding_free=False`) with "
-                f"{ALLOW_FALLBACK_ENV}=1")
+                f"{ALLOW_FALLBACK_ENV}=1",)
 
 
 @dataclass(frozen=True)
 class Violation:
     function: str      # "causal_conv1d_fn", "chunk_gated_delta_rule", "attention"
     message: str
-    fix: str
+    fix: tuple[str, ...]      # one line each; the refusal prints every distinct line once
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,18 @@ def because(why: str, package: str) -> str:
     return why or "transformers resolved the torch path"
 
 
-def fallback_fix(call: Call) -> str:
+def fallback_fix(call: Call) -> tuple[str, ...]:
     if "raises" in call.why or "does not resolve" in call.why:
         kernel = (f"`{call.package}` is installed but broken (the error above): rebuild the image so its wheel "
                   "matches this torch and CUDA (an undefined symbol is an ABI mismatch)")
     else:
         kernel = f"install the image's `{call.package}` kernel wheel (rebuild the image with `python -m build`)"
-    return f"{kernel}; {FIX_UNPACKED}"
+    return (kernel, *FIX_UNPACKED)
+
+
+def locked_kernel_fix(package: str) -> tuple[str, ...]:
+    return (f"install the `{package}` version the image locked (rebuild the image with `python -m build`); a kernel "
+            "without its own backward, or without the boundary argument, cannot train packed batches",)
 
 
 def fused_call(call: Call, packed: bool | None, boundary_given: bool,
@@ -84,13 +89,13 @@ def fused_call(call: Call, packed: bool | None, boundary_given: bool,
     if packed and not call.accepts_boundary:
         return [Violation(call.function, f"{call.function}: {call.bound} takes no {call.boundary_kwarg}; transformers "
                           "drops it, so packed documents leak into each other",
-                          f"install the kernel version the image locked ({call.package})")], ""
+                          locked_kernel_fix(call.package))], ""
     return [], ""
 
 
 def backward_violation(call: Call, backward: str) -> Violation:
     return Violation(call.function, f"{call.function}: forward ran {call.bound}, but its backward is {backward}, not "
-                     "the kernel's autograd Function", f"install the kernel version the image locked ({call.package})")
+                     "the kernel's autograd Function", locked_kernel_fix(call.package))
 
 
 @dataclass(frozen=True)
@@ -122,12 +127,12 @@ def attention_call(call: AttentionCall, packed: bool | None, boundary_given: boo
         return [Violation("attention", torch_path, FIX_ATTENTION)], ""
     if allow_fallback:
         return [], f"{ALLOW_FALLBACK_ENV}=1: {torch_path}; allowed on unpacked batches"
-    return [Violation("attention", torch_path, f"{FIX_ATTENTION}; {FIX_UNPACKED}")], ""
+    return [Violation("attention", torch_path, FIX_ATTENTION + FIX_UNPACKED)], ""
 
 
 def attention_backward_violation(call: AttentionCall, backward: str) -> Violation:
     return Violation("attention", f"{call.kind}: {call.implementation} is configured but {call.function} ran "
-                     f"{backward}, not a kernel's autograd Function", FIX_ATTENTION)
+                     f"{backward}, not a kernel's autograd Function", locked_kernel_fix("flash_attn"))
 
 
 def eval_warning(function: str, kwarg: str, where: str) -> str:

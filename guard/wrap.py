@@ -68,7 +68,7 @@ def _wrap_fused(guard: Guard, module, kind: str, fused) -> None:
         rec.why = res.error
         guard.setup_problems.append(rules.Violation(
             fused.function, f"{fused.function}: cannot tell what transformers bound: {res.error}",
-            "use the transformers version the image locked"))
+            ("use the transformers version the image locked",)))
         return
     rec.bound, rec.fused = describe(res.implementation), res.is_new
     if not res.is_new:
@@ -102,7 +102,7 @@ def _wrap_attention(guard: Guard, module, family: Family) -> None:
     if interface is None or not hasattr(interface, "get_interface"):
         guard.setup_problems.append(rules.Violation(
             "attention", f"{module.__name__} has no ALL_ATTENTION_FUNCTIONS.get_interface: transformers changed how "
-            "attention layers pick their implementation", "use the transformers version the image locked"))
+            "attention layers pick their implementation", ("use the transformers version the image locked",)))
         return
     plain = interface.get_interface
     handed: dict[tuple[str, int], tuple] = {}
@@ -140,7 +140,7 @@ def install(guard: Guard, module, family: Family) -> None:
     if not any(True for _ in model_classes(module, family)):
         guard.setup_problems.append(rules.Violation(
             "model", f"{module.__name__} has no model class on {family.config_class} with a forward: the guard "
-            "cannot see batches", "use the transformers version the image locked"))
+            "cannot see batches", ("use the transformers version the image locked",)))
     for kind, layer_kind in family.layer_kinds.items():
         for fused in layer_kind.fused:
             _wrap_fused(guard, module, kind, fused)
