@@ -6,7 +6,6 @@ This package file imports nothing: every Python process of the image runs `impor
 from a .pth line, and that must stay cheap. The build writes `install_files()` into the venv's
 site-packages. The modules: README.md beside this file.
 """
-from __future__ import annotations
 
 APP_PTH = "ftimage-app.pth"          # the build's .pth that puts the app dir (guard/ among it) on sys.path
 PTH_NAME = "ftimage-guard.pth"       # ours; site processes .pth files in sorted order, so it runs after APP_PTH

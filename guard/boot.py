@@ -11,7 +11,6 @@ The watched names come from the `modeling_module:` line of each families/<name>.
 with plain string methods: the family file stays the one source (no generated copy to drift), and
 the strict reader (families.load_family) checks the whole file at activation.
 """
-from __future__ import annotations
 
 import os
 import sys

@@ -3,7 +3,8 @@ the image does it (its .pth in site-packages). Run as a script under torchrun fo
 called in a forked child of tests/guard/forkserver.py (which already paid for the imports).
 
 A spec is a dict:
-  trainer:  "trl" (TRL's SFTTrainer) | "loop" (a plain loop on contracts.collate rows)
+  trainer:  "trl" (TRL's SFTTrainer) | "loop" (a plain loop on contracts.collate rows) | "import"
+            (import the modeling module only)
   kernels:  "none" | "fused" | "broken"   which test-double folder goes first on sys.path
   attention: "sdpa" | "fa2"                fa2: the flash_attn test double, registered as flash_attention_2
   batches:  "packed" (TRL's default BFD packing, padding-free) | "padded" | "position_ids"
@@ -127,11 +128,22 @@ def run_loop(spec: dict, workdir: Path) -> None:
     print("TRAINED", flush=True)
 
 
+def run_import(spec: dict, workdir: Path) -> None:
+    """Only import the modeling module: the guard activates (or says it is off) and nothing trains."""
+    from families import load_family
+    from families.runtime import modeling_module
+    from guard import activate
+
+    modeling_module(load_family("qwen3_5_text"))
+    print(f"ACTIVE {activate.CURRENT is not None}", flush=True)
+
+
 def run(spec: dict, workdir: Path) -> None:
     for key, value in spec.get("env", {}).items():
         os.environ[key] = value
     put_kernels_first(spec.get("kernels", "none"))
-    (run_trl if spec.get("trainer", "trl") == "trl" else run_loop)(spec, Path(workdir))
+    trainers = {"trl": run_trl, "loop": run_loop, "import": run_import}
+    trainers[spec.get("trainer", "trl")](spec, Path(workdir))
 
 
 if __name__ == "__main__":      # under torchrun: scenarios.py SPEC_JSON WORKDIR
