@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from contracts import atomic
 from contracts.events import EventLog
 
-if TYPE_CHECKING:
-    from guard.state import FunctionRecord, Guard
+# `guard` below is a guard.state.Guard and `rec` its FunctionRecord; not imported here, since
+# state imports this module (to report and refuse)
+Guard = FunctionRecord = Any
 
 SCHEMA = "ftimage.guard/1"
 REFUSED = 3          # the gate's refusal code (`ftimage-gate` exits 3 when it refuses to run a command)

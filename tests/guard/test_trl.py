@@ -3,6 +3,8 @@ tiny Qwen3.5, CPU, the guard activated through its .pth. Kernels are absent here
 reference is what transformers binds), or replaced by CPU test doubles (tests/guard/kernels)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytestmark = pytest.mark.training
@@ -41,9 +43,13 @@ def test_a_collator_packing_with_position_ids_only_is_refused_for_conv_and_delta
 
 
 def test_padded_batches_with_the_fallback_allowed_train_and_the_report_names_it(scenario):
-    run = scenario(kernels="none", attention="sdpa", batches="padded", env={"FTIMAGE_ALLOW_FALLBACK": "1"})
+    run = scenario(kernels="none", attention="sdpa", batches="padded",
+                   env={"FTIMAGE_ALLOW_FALLBACK": "1", "FTIMAGE_JSON_LOGS": "1"})
     assert run.rc == 0 and "TRAINED" in run.stdout, run.stderr[-4000:]
     report = run.report()
+    json_lines = [json.loads(line) for line in run.stderr.splitlines() if line.startswith('{"')]
+    assert [(e["phase"], e["step"]) for e in json_lines] == [("guard", "fallback allowed")]
+    assert json_lines[0]["report"] == report
     assert report["status"] == "fallback allowed" and report["window"]["ended"]
     conv = report["functions"]["causal_conv1d_fn"]
     assert conv["verdict"] == "fallback allowed" and conv["fused"] is False
@@ -99,7 +105,6 @@ def test_a_refusal_from_backward_on_a_worker_thread_is_one_error_and_exit_3(scen
 
 
 def torchrun(venv_python, spec: dict, workdir, timeout: int = 240):
-    import json
     import socket
     import subprocess
 
@@ -117,8 +122,6 @@ def torchrun(venv_python, spec: dict, workdir, timeout: int = 240):
 
 
 def reports(workdir) -> list[dict]:
-    import json
-
     return [json.loads((workdir / name).read_text()) for name in ("guard.json", "guard.rank1.json")]
 
 
