@@ -11,12 +11,14 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.utils import parse_wheel_filename
 
+import guard
 from build.cache import CacheLayout, link_or_copy, sha256_file
 from build.context import render_target
 from build.context.dpkg_status import DebPackage
@@ -31,7 +33,7 @@ from build.wheelhouse import Wheel, requirements_lock
 from contracts.lock import LOCK_PATH, BuildLock
 
 # What runs in the image, and nothing else: no tests, no fixtures, no dev tools.
-APP_PACKAGES = ("contracts", "families", "verify", "entrypoint")
+APP_PACKAGES = ("contracts", "families", "verify", "guard", "entrypoint")
 APP_SUFFIXES = {".py", ".json", ".yaml"}
 VENV = "/opt/ftimage/venv"
 APP_DIR = "/opt/ftimage/app"
@@ -48,12 +50,25 @@ class RenderedContext:
     files: int
 
 
+def guard_pth_lines() -> list[tuple[str, str]]:
+    """The runtime guard's .pth files as (name, line) for the classic Dockerfile's echo: constants of
+    the guard package, checked to be one plain line each before they reach a shell line."""
+    out = []
+    for name, data in sorted(guard.install_files().items()):
+        line = data.decode().rstrip("\n")
+        if not re.fullmatch(r"[a-z0-9-]+\.pth", name) or not re.fullmatch(r"import [a-z_.]+", line):
+            raise ValueError(f"the guard's .pth {name!r} is not one plain import line")
+        out.append((name, line))
+    return out
+
+
 def render_dockerfile(plan: BuildPlan, base_refs: dict[str, str], epoch: int) -> str:
     spec = plan.spec
     return render_template(
         "Dockerfile.j2",
         image=spec.name, plan_key=plan.plan_key, builder_base=base_refs["builder"],
         runtime_base=base_refs["runtime"], source_date_epoch=epoch, venv=VENV, app_dir=APP_DIR,
+        guard_pth=guard_pth_lines(),
         etc_dir=str(LOCK_PATH.parent), user=spec.user.name, uid=spec.user.uid, gid=spec.gid, gate=GATE,
         python_minor=plan.toolchain.python, runtime_needs_compiler=any(k.kind == "triton" for k in plan.kernels))
 

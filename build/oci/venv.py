@@ -30,6 +30,7 @@ from installer.destinations import SchemeDictionaryDestination
 from installer.records import RecordEntry
 from installer.sources import WheelFile
 
+import guard
 from build.context.drop_installed_files import drop
 from build.errors import BuildFailure
 from build.oci import depcheck
@@ -87,6 +88,7 @@ def venv_layer(*, engine, cache: LayerCache, scratch: Path, wheels: list[LockedW
     epoch = capped(wheels_epoch(wheels) if wheels_time is None else wheels_time)
     key = layer_key("venv", {
         "wheels": sorted([w.filename, w.sha256] for w in wheels), "venv": venv, "pth": app_dir,
+        "guard": {name: data.decode() for name, data in sorted(guard.install_files().items())},
         "python": python_minor, "base": base_diff_ids, "dropped": list(DROPPED_FILES), "mtime": epoch,
         "installer": installer.__version__, "compile": hashlib.sha256(COMPILE_SCRIPT.encode()).hexdigest()})
 
@@ -96,7 +98,9 @@ def venv_layer(*, engine, cache: LayerCache, scratch: Path, wheels: list[LockedW
         site = stage / "lib" / f"python{python_minor}" / "site-packages"
         dropped = drop(site, list(DROPPED_FILES))
         log.emit("venv", f"dropped {len(dropped)} static archive(s) with their RECORD rows")
-        (site / "ftimage-app.pth").write_text(app_dir + "\n")
+        (site / guard.APP_PTH).write_text(app_dir + "\n")
+        for name, data in guard.install_files().items():   # the runtime guard, in every process of the venv
+            (site / name).write_bytes(data)
         version, cache_tag = _compile(engine, base_ref, stage, venv, python_minor, log)
         problems = depcheck.dependency_problems(site, version)
         if problems:

@@ -6,19 +6,19 @@ use_kernel_func_from_hub_with_fallback: it tries the installed package ONCE, at 
 package "is not installed" even when the import failed for another reason (integrations/hub_kernels.py).
 So we read the real resolution from the wrapper's closure, confirm by watching what the GDN layer
 instance calls at run time (the class is also decorated with use_kernelized_func), and re-import
-the package ourselves only to explain a fallback with the real exception.
+the package ourselves only to explain a fallback with the real exception (families.binding reads
+the closure and the exception; the runtime guard reads them there too).
 """
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from contracts.lock import LockedKernel
 from families import Attention
+from families.binding import Resolution, describe, explain_fallback, read_resolution
 from verify.calltrace import watch_calls
 from verify.context import Context, FusedNeed
 from verify.report import CheckResult, Status
@@ -26,89 +26,6 @@ from verify.report import CheckResult, Status
 REQUIRES = ("transformers",)   # the modeling code whose dispatch these rows prove
 
 REBUILD = "rebuild the image with `python -m build` so the lock's kernel wheels are installed and importable"
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """What transformers' wrapper closed over for one function."""
-
-    wrapper: str
-    implementation: Callable | None = None
-    torch_function: Callable | None = None
-    is_new: bool = False
-    applicable_params: tuple[str, ...] = ()
-    package: str = ""          # the package transformers tried to import, e.g. "fla"
-    error: str = ""            # set when the closure could not be read
-
-    @property
-    def readable(self) -> bool:
-        return not self.error
-
-
-def describe(func: Callable | None) -> str:
-    if func is None:
-        return "nothing"
-    inner = inspect.unwrap(func)
-    return f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', repr(inner))}"
-
-
-def read_resolution(module, wrapper: str) -> Resolution:
-    """Read `implementation` / `is_new_implementation` from the wrapper's closure (no calls made)."""
-    func = getattr(module, wrapper, None)
-    if func is None:
-        return Resolution(wrapper, error=f"{module.__name__} has no {wrapper}")
-    try:
-        nonlocals = inspect.getclosurevars(func).nonlocals
-    except TypeError as exc:
-        return Resolution(wrapper, error=f"cannot inspect {wrapper}: {exc}")
-    if "implementation" not in nonlocals or "is_new_implementation" not in nonlocals:
-        return Resolution(
-            wrapper,
-            error=f"{wrapper} does not close over implementation/is_new_implementation; "
-                  "transformers changed use_kernel_func_from_hub_with_fallback",
-        )
-    return Resolution(
-        wrapper,
-        implementation=nonlocals["implementation"],
-        torch_function=nonlocals.get("torch_function"),
-        is_new=bool(nonlocals["is_new_implementation"]),
-        applicable_params=tuple(nonlocals.get("applicable_params", ())),
-        package=str(nonlocals.get("package", "")),
-    )
-
-
-def explain_fallback(package: str, symbol: str, distribution: str) -> str:
-    """Re-import the package ourselves and say the REAL reason it is unusable.
-
-    transformers' warning says "not installed" whatever happened; an undefined symbol, a Triton
-    without a C compiler or a missing libcuda look the same there.
-    """
-    import importlib.util
-
-    try:
-        installed = f"{distribution} {importlib.metadata.version(distribution)} is installed"
-    except importlib.metadata.PackageNotFoundError:
-        try:
-            spec = importlib.util.find_spec(package)
-        except (ImportError, ValueError):
-            spec = None
-        installed = (f"`{package}` is present at {spec.origin or spec.submodule_search_locations}"
-                     if spec is not None else f"`{package}` is not installed")
-    try:
-        importlib.import_module(package)
-    except ModuleNotFoundError as exc:
-        if exc.name == package:
-            return f"{installed} (ModuleNotFoundError: {exc})"
-        return f"{installed} but `import {package}` raises ModuleNotFoundError: {exc} (a missing dependency)"
-    except BaseException as exc:  # noqa: BLE001 - any failure is the answer we report
-        return f"{installed} but `import {package}` raises {type(exc).__name__}: {exc}"
-    module_path, _, name = symbol.rpartition(".")
-    try:
-        found = getattr(importlib.import_module(module_path), name)
-    except BaseException as exc:  # noqa: BLE001
-        return f"`import {package}` works but `{symbol}` does not resolve: {type(exc).__name__}: {exc}"
-    return (f"`{symbol}` imports now ({describe(found)}), yet transformers resolved the torch path at its "
-            "import: the package was installed or fixed after transformers was imported, or it failed then")
 
 
 def fallback_fix(need: FusedNeed, package: str, why: str) -> str:

@@ -95,8 +95,8 @@ def run_on_device(ctx: Context) -> list[CheckResult]:
     """The work itself, without the CUDA gate (tests drive it on CPU, where every row must FAIL)."""
     import torch
 
+    from families.binding import read_resolution
     from families.runtime import modeling_module
-    from verify.checks.dispatch import read_resolution
     from verify.kernel_profile import kernel_verdict
     from verify.op_numerics import CHECKERS, check_flash_attention
 
@@ -123,7 +123,7 @@ def run_on_device(ctx: Context) -> list[CheckResult]:
         from transformers import modeling_flash_attention_utils as fa_utils
         from transformers.utils import is_flash_attn_2_available
 
-        from verify.checks.dispatch import explain_fallback
+        from families.binding import explain_fallback
 
         attn = family.attention
         if not is_flash_attn_2_available():

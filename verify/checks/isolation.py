@@ -129,8 +129,8 @@ def judge(measurement, tol: Tolerance, conv_note: str = "") -> list[CheckResult]
 def run(ctx: Context) -> list[CheckResult]:
     import torch
 
+    from families.binding import read_resolution
     from families.runtime import hooks, modeling_module, probe_dtype
-    from verify.checks.dispatch import read_resolution
     from verify.packing_probe import measure
     from verify.probe import build_probe_model
 

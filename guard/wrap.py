@@ -1,0 +1,147 @@
+"""Where the guard attaches, once the family's modeling module has executed:
+
+  * each fused function the family names (`layer_kinds.*.fused[].wrapper`, e.g. causal_conv1d_fn,
+    torch_chunk_gated_delta_rule): the module attribute the layer calls at run time is replaced by
+    a wrapper around transformers' own wrapper, so it sees the kwargs the layer passed (before
+    transformers drops those the bound implementation does not take) and what transformers bound
+    (families.binding reads the closure);
+  * the attention: Qwen3.5's attention layer calls
+    `ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)` on
+    every forward (transformers 5.18 modeling_qwen3_5.Qwen3_5Attention.forward), so that instance's
+    get_interface is shadowed and hands out a wrapped function: sdpa, eager, flash_attention_2 and
+    anything registered later alike;
+  * the forward of every model class of the module built on the family's config class (for
+    Qwen3.5 text: Qwen3_5TextModel and Qwen3_5ForCausalLM). TRL 1.16's fused LM head calls the
+    backbone (Qwen3_5TextModel) directly, bypassing the causal LM's forward, so both are needed;
+    the outermost one reads the batch.
+
+Every wrapper sets __wrapped__ and checks one flag first; when the window ends, the patches are
+undone as well, so later steps call transformers directly.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+from families import Family
+from families.binding import describe, explain_fallback, read_resolution, transformers_symbol
+from guard import rules
+from guard.state import FunctionRecord, Guard
+
+
+def model_classes(module, family: Family) -> list[type]:
+    from transformers.modeling_utils import PreTrainedModel
+
+    config_cls = getattr(module, family.config_class, None)
+    found = [c for c in vars(module).values()
+             if isinstance(c, type) and issubclass(c, PreTrainedModel) and c.__module__ == module.__name__
+             and "forward" in c.__dict__ and config_cls is not None and getattr(c, "config_class", None) is config_cls]
+    causal = getattr(module, family.causal_lm_class, None)
+    if causal is not None and causal not in found and "forward" in causal.__dict__:
+        found.append(causal)
+    return found
+
+
+def _wrap_forward(guard: Guard, cls: type) -> None:
+    original = cls.__dict__["forward"]
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        if not guard.active:
+            return original(self, *args, **kwargs)
+        return guard.model_forward(original, signature, self, args, kwargs)
+
+    cls.forward = forward
+
+    def undo():
+        if cls.__dict__.get("forward") is forward:
+            cls.forward = original
+    guard.restore.append(undo)
+
+
+def _wrap_fused(guard: Guard, module, kind: str, fused) -> None:
+    rec = FunctionRecord(function=fused.function, kind=kind, wrapper=fused.wrapper, boundary_kwarg=fused.boundary_kwarg)
+    guard.records[fused.function] = rec
+    res = read_resolution(module, fused.wrapper)
+    if not res.readable:
+        rec.why = res.error
+        guard.setup_problems.append(rules.Violation(
+            fused.function, f"{fused.function}: cannot tell what transformers bound: {res.error}",
+            ("use the transformers version the image locked",)))
+        return
+    rec.bound, rec.fused = describe(res.implementation), res.is_new
+    if not res.is_new:
+        symbol, distribution = transformers_symbol(res)
+        rec.why = explain_fallback(res.package, symbol, distribution)
+    call = rules.Call(function=fused.function, wrapper=fused.wrapper, kind=kind, boundary_kwarg=fused.boundary_kwarg,
+                      bound=rec.bound, fused=res.is_new, accepts_boundary=fused.boundary_kwarg in res.applicable_params,
+                      why=rec.why, package=res.package)
+    original = getattr(module, fused.wrapper)
+
+    @functools.wraps(original)
+    def guarded(*args, **kwargs):
+        if not guard.active:
+            return original(*args, **kwargs)
+        return guard.fused(rec, call, original, args, kwargs)
+
+    setattr(module, fused.wrapper, guarded)
+
+    def undo():
+        if getattr(module, fused.wrapper, None) is guarded:
+            setattr(module, fused.wrapper, original)
+    guard.restore.append(undo)
+
+
+def _wrap_attention(guard: Guard, module, family: Family) -> None:
+    interface = getattr(module, "ALL_ATTENTION_FUNCTIONS", None)
+    kind = next((name for name, k in family.layer_kinds.items() if "attention" in k.measure), "full_attention")
+    rec = FunctionRecord(function="attention", kind=kind, wrapper="ALL_ATTENTION_FUNCTIONS.get_interface",
+                         boundary_kwarg="cu_seq_lens_q")
+    guard.records["attention"] = rec
+    if interface is None or not hasattr(interface, "get_interface"):
+        guard.setup_problems.append(rules.Violation(
+            "attention", f"{module.__name__} has no ALL_ATTENTION_FUNCTIONS.get_interface: transformers changed how "
+            "attention layers pick their implementation", ("use the transformers version the image locked",)))
+        return
+    plain = interface.get_interface
+    handed: dict[tuple[str, int], tuple] = {}
+
+    def wrapped(implementation: str, fn):
+        key = (implementation, id(fn))
+        if key not in handed:
+            @functools.wraps(fn)
+            def attention(*args, **kwargs):
+                if not guard.active:
+                    return fn(*args, **kwargs)
+                return guard.attention(rec, implementation, fn, args, kwargs)
+            handed[key] = (fn, attention)      # keeps fn alive, so its id is not reused
+        return handed[key][1]
+
+    def get_interface(attn_implementation, default):
+        fn = plain(attn_implementation, default)
+        if not guard.active:
+            return fn
+        rec.bound = f"{attn_implementation}: {describe(fn)}"
+        rec.fused = attn_implementation == family.attention.implementation
+        return wrapped(attn_implementation, fn)
+
+    interface.get_interface = get_interface
+
+    def undo():
+        if interface.__dict__.get("get_interface") is get_interface:
+            del interface.__dict__["get_interface"]
+    guard.restore.append(undo)
+
+
+def install(guard: Guard, module, family: Family) -> None:
+    for cls in model_classes(module, family):
+        _wrap_forward(guard, cls)
+    if not any(True for _ in model_classes(module, family)):
+        guard.setup_problems.append(rules.Violation(
+            "model", f"{module.__name__} has no model class on {family.config_class} with a forward: the guard "
+            "cannot see batches", ("use the transformers version the image locked",)))
+    for kind, layer_kind in family.layer_kinds.items():
+        for fused in layer_kind.fused:
+            _wrap_fused(guard, module, kind, fused)
+    _wrap_attention(guard, module, family)
