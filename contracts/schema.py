@@ -302,7 +302,8 @@ class Reader:
             self._wrong_type(path, raw, "an integer", meta)
             return INVALID
         if hint is float:
-            if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            if isinstance(raw, float) or (isinstance(raw, int) and not isinstance(raw, bool) and
+                                          abs(raw) <= 2 ** 1023):   # larger ints have no float (OverflowError)
                 return float(raw)
             if self.strings_convert and isinstance(raw, str):
                 try:
@@ -356,7 +357,8 @@ class Reader:
             lo, hi = meta.get("ge"), meta.get("le")
             if (lo is not None and value < lo) or (hi is not None and value > hi) or value != value:
                 bounds = " .. ".join(str(b) for b in (lo, hi) if b is not None)
-                self.fail(path, f"{value!r} is out of range ({'>= ' + str(lo) if hi is None else bounds})",
+                shown = "<= " + str(hi) if lo is None else ">= " + str(lo) if hi is None else bounds
+                self.fail(path, f"{value!r} is out of range ({shown})" if bounds else f"{value!r} is not a number",
                           meta.get("fix") or f"set {path} within {bounds or 'range'}", "out-of-range")
                 return INVALID
         check = meta.get("check")

@@ -48,7 +48,7 @@ def prepare_export(*, config_file: str | None, overrides: list[str], checkpoint:
         launch_dir = real_dir(Path(cfg.output.dir) / ".launch")
     except (UnsafeFolder, SourceCheckpointError, CheckpointError, LaunchError) as exc:
         raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
-    log(f"[finetune] exporting {path} (step {state['step']}, saved by {state.get('world_size', '?')} ranks) on "
+    log(f"[finetune] exporting {path} (step {state.step}, saved by {state.world_size} ranks) on "
         f"{topo.nnodes * topo.nproc_per_node} ranks; no verify gate: exporting runs no fused kernel")
     plan = RunPlan(config=cfg, config_file=config_file, overrides=list(overrides), verify={}, allow_fallback=False,
                    allow_fallback_flag=False, packing=PackingDecision(requested="-", effective="-", reason="export"),
