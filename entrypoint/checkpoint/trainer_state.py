@@ -44,9 +44,14 @@ class StateInvalid(ValueError):
     """A checkpoint state file that is not what this tool writes: `file: field: problem`."""
 
     def __init__(self, file: str, where: str, problem: str, more: int = 0):
-        self.file, self.field, self.problem = file, where, problem
-        super().__init__(f"{file}: " + (f"{where}: " if where else "") + problem +
+        self.file, self.field, self.problem = file, printable(where), printable(problem)
+        super().__init__(f"{file}: " + (f"{self.field}: " if where else "") + self.problem +
                          (f" (and {more} more problem(s))" if more else ""))
+
+
+def printable(text: str) -> str:
+    """`text` on one line: a hostile key or value cannot break the report (or forge a log line)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class StateRefused(StateInvalid):

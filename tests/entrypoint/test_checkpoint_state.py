@@ -126,6 +126,7 @@ def _update(section: str, **values):
     (_update("files", **{"../x": 5}), "files", "is not the name of a file"),
     (_set("max_step_items", 0), "max_step_items", "out of range"),
     (_set("surprise", {"deep": [1]}), "surprise", "unknown field"),
+    (_set("line\nbreak\u2028", 1), "line\\nbreak\\u2028", "unknown field"),   # one line, whatever the key
     (lambda d: d.pop("sampler"), "sampler", "required field is missing"),
 ])
 def test_every_other_field_is_checked(ckpts, edit, where, problem):
