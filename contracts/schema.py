@@ -279,8 +279,7 @@ class Reader:
                     return str(raw)
                 key = path.rsplit(".", 1)[-1]
                 # YAML reads 3.11 and 2.14 as floats; quoting is what people forget
-                self.fail(path, f"expected a string, got the number {raw!r}", f'quote it: {key}: "{raw}"',
-                          "wrong-type")
+                self.fail(path, f"expected a string, got the number {raw!r}", f'quote it: {key}: "{raw}"', "wrong-type")
                 return INVALID
             if not isinstance(raw, str):
                 self._wrong_type(path, raw, "a string", meta)
@@ -302,8 +301,7 @@ class Reader:
             self._wrong_type(path, raw, "an integer", meta)
             return INVALID
         if hint is float:
-            if isinstance(raw, float) or (isinstance(raw, int) and not isinstance(raw, bool) and
-                                          abs(raw) <= 2 ** 1023):   # larger ints have no float (OverflowError)
+            if isinstance(raw, float) or (type(raw) is int and abs(raw) <= 2 ** 1023):   # no float beyond
                 return float(raw)
             if self.strings_convert and isinstance(raw, str):
                 try:
@@ -357,8 +355,8 @@ class Reader:
             lo, hi = meta.get("ge"), meta.get("le")
             if (lo is not None and value < lo) or (hi is not None and value > hi) or value != value:
                 bounds = " .. ".join(str(b) for b in (lo, hi) if b is not None)
-                shown = "<= " + str(hi) if lo is None else ">= " + str(lo) if hi is None else bounds
-                self.fail(path, f"{value!r} is out of range ({shown})" if bounds else f"{value!r} is not a number",
+                self.fail(path, f"{value!r} is " + (f"out of range ({'>= ' + str(lo) if hi is None else bounds})"
+                                                    if bounds else "not a number"),
                           meta.get("fix") or f"set {path} within {bounds or 'range'}", "out-of-range")
                 return INVALID
         check = meta.get("check")

@@ -43,22 +43,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from contracts import atomic
 from contracts.folder_guard import is_real_dir, is_real_file, real_dir
 from entrypoint.checkpoint import rng_state
+from entrypoint.checkpoint import trainer_state as ts
 from entrypoint.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpoint
-from entrypoint.checkpoint.trainer_state import (
-    MARKER,
-    TRAINER_STATE,
-    StateInvalid,
-    StateRefused,
-    TrainerState,
-    read_contents,
-    read_states,
-)
+from entrypoint.checkpoint.trainer_state import MARKER, TRAINER_STATE, TrainerState
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
-DAMAGED_FIX = ("resume=auto skips it and takes the newest valid checkpoint (or point checkpoint.resume at another "
-               "step-* folder); delete it to reclaim the space")
-REFUSED_FIX = ("this checkpoint holds something other than training state; delete it, or resume from another one "
-               "(checkpoint.resume)")
 
 
 class CheckpointError(Exception):
@@ -160,19 +149,19 @@ def read_state(path: Path, *, ranks=None, param_groups: int | None = None) -> Tr
                               "set checkpoint.resume=auto (newest complete one), never, or a complete "
                               "step-* directory")
     try:
-        state = read_states(path, step_of(path), param_groups)
+        state = ts.read_states(path, step_of(path), param_groups)
         actual = files_manifest(path)
         damaged = [f"{name} ({actual.get(name, 'missing')} bytes, recorded {size})"
                    for name, size in state.files.items() if actual.get(name) != size]
         if damaged:
-            raise CheckpointError(f"{path.name} is damaged: {', '.join(damaged[:3])}", DAMAGED_FIX)
-        read_contents(path, state, ranks)
-    except StateRefused as exc:
-        raise CheckpointError(f"{path.name} was refused: {exc}", REFUSED_FIX) from None
-    except StateInvalid as exc:
-        raise CheckpointError(f"{path.name} is damaged: {exc}", DAMAGED_FIX) from None
+            raise CheckpointError(f"{path.name} is damaged: {', '.join(damaged[:3])}", ts.DAMAGED_FIX)
+        ts.read_contents(path, state, ranks)
+    except ts.StateRefused as exc:
+        raise CheckpointError(f"{path.name} was refused: {exc}", ts.REFUSED_FIX) from None
+    except ts.StateInvalid as exc:
+        raise CheckpointError(f"{path.name} is damaged: {exc}", ts.DAMAGED_FIX) from None
     except OSError as exc:
-        raise CheckpointError(f"{path.name} is unreadable: {exc}", DAMAGED_FIX) from None
+        raise CheckpointError(f"{path.name} is unreadable: {exc}", ts.DAMAGED_FIX) from None
     return state
 
 
@@ -380,11 +369,11 @@ class Checkpointer:
             reader.read_metadata()   # refused here, by name, before DCP folds the reason into its own error
             dcp.load(loaded, storage_reader=reader, planner=SafeLoadPlanner())
         except (UnsafeCheckpoint, ValueError) as exc:
-            raise CheckpointError(f"{path.name} was refused: {str(exc).splitlines()[0]}", REFUSED_FIX) from None
+            raise CheckpointError(f"{path.name} was refused: {str(exc).splitlines()[0]}", ts.REFUSED_FIX) from None
         except CheckpointException as exc:
             unsafe = [e for e in _causes(exc) if isinstance(e, UnsafeCheckpoint)]
             if unsafe:
-                raise CheckpointError(f"{path.name} was refused: {unsafe[0]}", REFUSED_FIX) from None
+                raise CheckpointError(f"{path.name} was refused: {unsafe[0]}", ts.REFUSED_FIX) from None
             raise
         if self.rank in state.rng:
             rng_state.apply(state.rng[self.rank])   # parsed and trial-applied by read_state: cannot fail

@@ -12,7 +12,7 @@ Tensors are already read with `weights_only=True` by DCP itself.
 What the unpickler built is then checked before DCP reads a byte by it (check_metadata): every
 object is the class DCP means there, every size and offset a non-negative int (never a bool),
 every chunk inside its tensor, and every storage entry a byte range inside a real file of the
-checkpoint folder itself (a `relative_path` of `../../etc/shadow` is refused, not read).
+checkpoint folder itself (a `relative_path` climbing out to /etc/shadow is refused, not read).
 """
 from __future__ import annotations
 

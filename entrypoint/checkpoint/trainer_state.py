@@ -38,6 +38,10 @@ PUBLIC_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 LEGACY_STEP_ITEMS = 1 << 20
 SECTIONS = ("train", "packing", "data")
 FIX = "restore the checkpoint from an intact copy, or resume another one"
+DAMAGED_FIX = ("resume=auto skips it and takes the newest valid checkpoint (or point checkpoint.resume at another "
+               "step-* folder); delete it to reclaim the space")
+REFUSED_FIX = ("this checkpoint holds something other than training state; delete it, or resume from another one "
+               "(checkpoint.resume)")
 
 
 class StateInvalid(ValueError):
