@@ -74,7 +74,7 @@ def run_export(plan, rank: int, world: int, device) -> dict:
     cfg = plan.config
     con = Console(rank)
     path = Path(plan.export_checkpoint)
-    read_state(path)
+    read_state(path, ranks=[rank])   # this rank's RNG file; the launcher checked them all
     attn = resolve_attention(cfg.model.attn_implementation, (plan.lock or {}).get("attn_implementation"),
                              device.type)
     model = build_on_meta(cfg.model.path, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
