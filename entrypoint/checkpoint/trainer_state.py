@@ -9,7 +9,9 @@ the folder's number and at most the run's total steps; the scheduler stepped exa
 times; the world size is the marker's and every rank's RNG file is recorded; the sampler's
 position is one the run's steps could have consumed; the fingerprint is a 16-digit hex digest
 of the sampler's corpus; the eval state is one the run's evaluations could have left. The run
-config it records is read by the config's own schema (FinetuneConfig).
+config it records is read by the config's own schema (FinetuneConfig). The folder's other files
+are read as data the same way (read_contents): each rank's RNG file (rng_state.parse) and DCP's
+metadata (safe_load.check_metadata). Every JSON file is bounded in size and nesting (json_limits).
 
 A state that fails any of it raises StateInvalid naming the file, the field and what is wrong;
 dcp.read_state reports that checkpoint as damaged (resume=auto then takes the newest valid one).
