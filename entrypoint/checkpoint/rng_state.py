@@ -4,8 +4,8 @@ state and Python's as plain lists. Data only: nothing in a checkpoint is unpickl
 Read back, a state is first checked field by field (RngState, through contracts/schema.py:
 types, ranges, lengths, bools never standing for ints), then each generator's state is set
 on a scratch generator of its kind, so whatever torch, numpy or Python would refuse is refused
-here, as RngStateError, before the rank's own generators are touched (parse). apply() then
-cannot fail.
+here, as RngStateError, before the rank's own generators are touched (parse); the CUDA state is
+checked as torch checks it. apply() then cannot fail.
 """
 from __future__ import annotations
 
@@ -124,15 +124,14 @@ def parse(raw: object, file: str = "rng state") -> RngState:
     except (ValueError, TypeError, OverflowError) as exc:
         raise RngStateError(f"python: {exc}") from None
     if state.cuda is not None:
+        # checked as torch's CUDA generator checks it, without a scratch CUDA generator: that would
+        # create a CUDA context (and hold GPU memory) in the launcher, which reads every rank's file
         cuda = _bytes(state.cuda, "cuda")
         if cuda.numel() not in CUDA_STATE_BYTES:
             raise RngStateError(f"cuda: {cuda.numel()} bytes, not a CUDA generator state")
-        if torch.cuda.is_available():
-            try:
-                torch.Generator(device="cuda").set_state(cuda)
-            except RuntimeError as exc:
-                raise RngStateError(f"cuda: {str(exc).splitlines()[0]}") from None
-            state.cuda_bytes = cuda
+        if cuda.numel() == 16 and int.from_bytes(cuda.numpy().tobytes()[8:], "little") % 4:
+            raise RngStateError("cuda: its Philox offset is not a multiple of 4")
+        state.cuda_bytes = cuda
     return state
 
 
@@ -142,7 +141,7 @@ def apply(state: RngState) -> None:
     torch.set_rng_state(state.torch_bytes)
     np.random.set_state((n.name, np.asarray(n.keys, dtype=np.uint32), n.pos, n.has_gauss, n.cached_gaussian))
     random.setstate((p.version, tuple(p.internal), p.gauss_next))
-    if state.cuda_bytes is not None:
+    if state.cuda_bytes is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state.cuda_bytes)
 
 

@@ -171,6 +171,9 @@ def test_unparseable_or_deeply_nested_state_is_damage_not_a_recursion_error(ckpt
     (_set("torch", "AAAA"), "torch: Expected a CPUGeneratorImplState of size"),
     (_set("torch", base64.b64encode(bytes(5056)).decode()), "torch: Invalid mt19937 state"),
     (_set("format", 2), "format: 2 is not one of: 1"),
+    (_set("cuda", base64.b64encode(bytes(12)).decode()), "cuda: 12 bytes, not a CUDA generator state"),
+    (_set("cuda", base64.b64encode(bytes(8) + (6).to_bytes(8, "little")).decode()), "Philox offset"),
+    (_set("cuda", "not base64!"), "cuda: "),
     (lambda d: d.pop("python"), "python: required field is missing"),
 ])
 def test_rng_files_are_validated_before_any_generator_is_touched(ckpts, edit, problem):
