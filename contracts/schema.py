@@ -282,8 +282,7 @@ class Reader:
                     return str(raw)
                 key = path.rsplit(".", 1)[-1]
                 # YAML reads 3.11 and 2.14 as floats; quoting is what people forget
-                self.fail(path, f"expected a string, got the number {raw!r}", f'quote it: {key}: "{raw}"',
-                          "wrong-type")
+                self.fail(path, f"expected a string, got the number {raw!r}", f'quote it: {key}: "{raw}"', "wrong-type")
                 return INVALID
             if not isinstance(raw, str):
                 self._wrong_type(path, raw, "a string", meta)

@@ -20,6 +20,7 @@ import torch
 from contracts.finetune_config import FinetuneConfig, parse_profile_steps
 from entrypoint.checkpoint.dcp import Checkpointer, CheckpointError, resume_candidates
 from entrypoint.checkpoint.hf_safetensors import export as hf_export
+from entrypoint.checkpoint.trainer_state import TrainerState
 from entrypoint.data.corpus import Corpus, read_corpus
 from entrypoint.data.micro_batches import MicroBatch, build_micro_batch
 from entrypoint.data.sampler import PackedSampler
@@ -97,6 +98,7 @@ class Trainer:
     evaluator: Evaluator | None = None     # held-out data (data.eval_path / data.eval_fraction)
     evals: EvalState = field(default_factory=EvalState)
     early_stopped: bool = False
+    max_step_items: int = 0                # most micro-batches (all ranks) a step of this data stream took
 
     @property
     def out(self) -> Path:
@@ -154,7 +156,8 @@ class Trainer:
         return cls(cfg=cfg, plan=plan, rank=rank, world=world, device=device, con=con, tokenizer=tokenizer,
                    corpus=corpus, sampler=sampler, model=model, optimizer=optimizer,
                    scheduler=schedule(optimizer, cfg, total_steps), ckpt=ckpt, flops=flops, attn=attn,
-                   n_params=n_params, total_steps=max(total_steps, 0), totals=totals, evaluator=evaluator)
+                   n_params=n_params, total_steps=max(total_steps, 0), totals=totals, evaluator=evaluator,
+                   max_step_items=world * t.grad_accum)
 
     def resume(self) -> None:
         stale = self.ckpt.clean_stale()
@@ -173,14 +176,17 @@ class Trainer:
             self._apply(path, state)
             return
 
-    def _apply(self, path: Path, state: dict) -> None:
-        """Continue from a loaded checkpoint: its schedule and data position, unless the config
-        changed a key the table lists and allow_changed applies it (the launcher refused the rest)."""
+    def _apply(self, path: Path, state: TrainerState) -> None:
+        """Continue from a loaded checkpoint (every field validated by read_state): its schedule and
+        data position, unless the config changed a key the table lists and allow_changed applies
+        it (the launcher refused the rest)."""
+        from dataclasses import asdict
+
         from entrypoint.checkpoint import resume as rs
 
-        step = int(state["step"])
-        changed = rs.changes(state.get("run_config", {}), rs.run_config(self.cfg, self.plan.packing.requested),
-                             state.get("data_fingerprint"), self.corpus.fingerprint())
+        step = state.step
+        changed = rs.changes(state.run_config, rs.run_config(self.cfg, self.plan.packing.requested),
+                             asdict(state.data_fingerprint), self.corpus.fingerprint())
         applied = rs.check(changed, list(self.cfg.checkpoint.allow_changed), path.name)
         if applied:
             self.con.warn(f"resuming {path.name} with checkpoint.allow_changed: "
@@ -190,19 +196,22 @@ class Trainer:
             self.con.info(f"the learning-rate schedule was rebuilt from step {step}: lr now "
                           f"{self.scheduler.get_last_lr()[0]:.3g}")
         else:
-            self.scheduler.load_state_dict(state["scheduler"])
+            self.scheduler.load_state_dict(state.scheduler.to_torch())
         if rs.stream_changed(applied):
             self.con.warn("the data changed: its stream starts again from the beginning (documents already "
                           "trained on may be seen again)")
         else:
-            self.sampler.load_state_dict(state["sampler"], allow_world_change=True)
-        if state.get("rng_note"):
-            self.con.every_rank(f"WARNING: {state['rng_note']}")
-        if state.get("world_size") not in (None, self.world):
-            self.con.warn(f"{path.name} was saved by {state['world_size']} ranks and resumes on {self.world}: the "
+            self.sampler.load_state_dict(asdict(state.sampler), allow_world_change=True)
+            # the position a resumed step may reach: this stream's widest step so far
+            self.max_step_items = max(self.max_step_items, state.max_step_items or
+                                      state.sampler.world_size * state.sampler.grad_accum)
+        if state.rng_note:
+            self.con.every_rank(f"WARNING: {state.rng_note}")
+        if state.world_size != self.world:
+            self.con.warn(f"{path.name} was saved by {state.world_size} ranks and resumes on {self.world}: the "
                           "weights and optimizer state are resharded, the data stream continues at the same "
                           "global position")
-        self.evals = EvalState.from_dict(state.get("eval"))
+        self.evals = EvalState.from_dict(asdict(state.eval))
         self.totals.best_eval_loss, self.totals.best_step = self.evals.best_loss, self.evals.best_step
         self.step = self.last_saved = step
         self.resumed_from = str(path)
@@ -354,7 +363,8 @@ class Trainer:
                  "data_fingerprint": self.corpus.fingerprint(),
                  "run_config": run_config(self.cfg, self.plan.packing.requested),
                  "total_steps": self.total_steps, "complete": self.step >= self.total_steps or self.early_stopped,
-                 "eval": self.evals.to_dict(), "early_stopped": self.early_stopped}
+                 "eval": self.evals.to_dict(), "early_stopped": self.early_stopped,
+                 "max_step_items": max(self.max_step_items, self.world * self.cfg.train.grad_accum)}
         self.ckpt.save(self.step, self.model, self.optimizer, state,
                        protect=self.evals.best_step if self.cfg.checkpoint.keep_best else None, wait=wait)
         self.last_saved = self.step

@@ -12,8 +12,10 @@ Layout under <output.dir>/checkpoints/ (a real folder, never a symlink):
 Atomicity: all ranks write into the temp dir, every file is fsynced, then rank 0 renames the
 temp dir to its final name and fsyncs the parent. rename(2) is atomic on one filesystem, so a
 kill at any moment leaves either a complete step dir or a temp dir. A step dir damaged later
-(a truncated shard) fails its size manifest and is skipped by resume=auto, which takes the
-newest valid one. A full disk is one error naming the path and the space a checkpoint needs.
+(a truncated shard, or any field of its state files that is not what a save writes: see
+trainer_state.py) is DAMAGED: read_state says which file and field, resume=auto skips it for the
+newest valid one, and a resume pointed at it is refused. A full disk is one error naming the
+path and the space a checkpoint needs.
 Multi-node runs need output.dir on a shared filesystem.
 
 Nothing here runs code from a checkpoint: RNG and trainer state are JSON, and DCP's pickled
@@ -23,7 +25,6 @@ and pruning deletes only real step folders holding the marker.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import shutil
@@ -40,14 +41,13 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from contracts import atomic
-from contracts.folder_guard import is_real_dir, is_real_file, read_bytes_nofollow, real_dir
+from contracts.folder_guard import is_real_dir, is_real_file, real_dir
 from entrypoint.checkpoint import rng_state
+from entrypoint.checkpoint import trainer_state as ts
 from entrypoint.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpoint
+from entrypoint.checkpoint.trainer_state import MARKER, TRAINER_STATE, TrainerState
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
-TRAINER_STATE = "trainer_state.json"
-MARKER = ".ftimage-checkpoint"
-STATE_LIMIT = 64 << 20     # a trainer_state.json or rng file is KBs; a huge one is not ours
 
 
 class CheckpointError(Exception):
@@ -107,6 +107,8 @@ def state_bytes(*trees) -> int:
 
 
 def step_dir_name(step: int) -> str:
+    if type(step) is not int or not 0 <= step < 10 ** 8:
+        raise ValueError(f"a checkpoint step is an int in 0 .. 99999999, not {step!r}")
     return f"step-{step:08d}"
 
 
@@ -136,35 +138,30 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if is_complete(p)), key=step_of)
 
 
-def read_json_nofollow(path: Path) -> dict:
-    data = json.loads(read_bytes_nofollow(path, STATE_LIMIT))
-    if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
-    return data
-
-
-def read_state(path: Path) -> dict:
-    """trainer_state.json of a complete checkpoint whose files match their recorded sizes (a torn
-    or truncated one raises CheckpointError, and resume=auto moves on to the next newest)."""
+def read_state(path: Path, *, ranks=None, param_groups: int | None = None) -> TrainerState:
+    """The validated state of a complete checkpoint (trainer_state.py): its marker and trainer state,
+    typed and checked against each other, the folder and the run; its files at their recorded
+    sizes; the RNG files of `ranks` (every rank that saved when None) and DCP's metadata read as
+    data. Anything else raises CheckpointError naming the checkpoint, the file and the field (resume=auto
+    then moves on to the next newest)."""
     if not is_complete(path):
         raise CheckpointError(f"{path} is not a complete checkpoint",
                               "set checkpoint.resume=auto (newest complete one), never, or a complete "
                               "step-* directory")
     try:
-        state = read_json_nofollow(path / TRAINER_STATE)
-        recorded = state.get("files", {})
-        if not isinstance(recorded, dict):
-            raise ValueError("files is not a mapping")
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}/{TRAINER_STATE} is unreadable: {exc}", "resume from another checkpoint") \
-            from None
-    actual = files_manifest(path)
-    damaged = [f"{name} ({actual.get(name, 'missing')} bytes, recorded {size})"
-               for name, size in recorded.items() if actual.get(name) != size]
-    if damaged:
-        raise CheckpointError(f"{path.name} is damaged: {', '.join(damaged[:3])}",
-                              "resume=auto skips it and takes the newest valid checkpoint; delete it to reclaim "
-                              "the space")
+        state = ts.read_states(path, step_of(path), param_groups)
+        actual = files_manifest(path)
+        damaged = [f"{name} ({actual.get(name, 'missing')} bytes, recorded {size})"
+                   for name, size in state.files.items() if actual.get(name) != size]
+        if damaged:
+            raise CheckpointError(f"{path.name} is damaged: {', '.join(damaged[:3])}", ts.DAMAGED_FIX)
+        ts.read_contents(path, state, ranks)
+    except ts.StateRefused as exc:
+        raise CheckpointError(f"{path.name} was refused: {exc}", ts.REFUSED_FIX) from None
+    except ts.StateInvalid as exc:
+        raise CheckpointError(f"{path.name} is damaged: {exc}", ts.DAMAGED_FIX) from None
+    except OSError as exc:
+        raise CheckpointError(f"{path.name} is unreadable: {exc}", ts.DAMAGED_FIX) from None
     return state
 
 
@@ -176,7 +173,7 @@ def resume_candidates(root: Path, mode: str) -> list[Path]:
     return list(reversed(list_checkpoints(root))) if mode == "auto" else [Path(mode)]
 
 
-def newest_valid(root: Path, mode: str) -> tuple[Path, dict] | None:
+def newest_valid(root: Path, mode: str) -> tuple[Path, TrainerState] | None:
     for path in resume_candidates(root, mode):
         try:
             return path, read_state(path)
@@ -349,32 +346,40 @@ class Checkpointer:
             if step_of(old) != protect:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: Path, model, optimizer) -> dict:
-        """Restore model + optimizer in place; returns trainer_state (rng restored too)."""
-        state = read_state(path)
+    def load(self, path: Path, model, optimizer) -> TrainerState:
+        """Restore model + optimizer in place; returns the trainer state (RNG restored too). Every
+        rank checks the state and its own RNG file first, and all agree before DCP reads a byte:
+        one rank's damaged file makes every rank refuse the checkpoint, none half-loads it."""
+        verdict = None
+        try:
+            state = read_state(path, ranks=[self.rank], param_groups=len(optimizer.param_groups))
+        except CheckpointError as exc:
+            verdict = (str(exc).split("\n")[0], exc.fix)
+        verdicts = [verdict]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            verdicts = [None] * dist.get_world_size()
+            dist.all_gather_object(verdicts, verdict)
+        refused = next((v for v in verdicts if v), None)
+        if refused:
+            raise CheckpointError(*refused)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         loaded = {"model": model_sd, "optim": optim_sd}
         try:
             reader = SafeFileSystemReader(str(path))
             reader.read_metadata()   # refused here, by name, before DCP folds the reason into its own error
             dcp.load(loaded, storage_reader=reader, planner=SafeLoadPlanner())
-            if is_real_file(path / rng_file(self.rank)):
-                rng_state.restore(read_json_nofollow(path / rng_file(self.rank)))
-            else:   # saved by fewer ranks than this run has (DCP reshards the weights; RNG cannot be)
-                state["rng_note"] = (f"{path.name} holds no RNG state for rank {self.rank} (it was saved by "
-                                     f"{state.get('world_size', '?')} ranks); this rank's RNG continues from "
-                                     "train.seed")
         except (UnsafeCheckpoint, ValueError) as exc:
-            raise CheckpointError(f"{path.name} was refused: {str(exc).splitlines()[0]}",
-                                  "this checkpoint holds something other than training state; delete it, or resume "
-                                  "from another one (checkpoint.resume)") from None
+            raise CheckpointError(f"{path.name} was refused: {str(exc).splitlines()[0]}", ts.REFUSED_FIX) from None
         except CheckpointException as exc:
             unsafe = [e for e in _causes(exc) if isinstance(e, UnsafeCheckpoint)]
             if unsafe:
-                raise CheckpointError(f"{path.name} was refused: {unsafe[0]}",
-                                      "this checkpoint holds something other than training state; delete it, or "
-                                      "resume from another one (checkpoint.resume)") from None
+                raise CheckpointError(f"{path.name} was refused: {unsafe[0]}", ts.REFUSED_FIX) from None
             raise
+        if self.rank in state.rng:
+            rng_state.apply(state.rng[self.rank])   # parsed and trial-applied by read_state: cannot fail
+        else:   # saved by fewer ranks than this run has (DCP reshards the weights; RNG cannot be)
+            state.rng_note = (f"{path.name} holds no RNG state for rank {self.rank} (it was saved by "
+                              f"{state.world_size} ranks); this rank's RNG continues from train.seed")
         set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
         return state
 

@@ -14,18 +14,20 @@ generation_config.json, config.json with use_cache back on, and the tokenizer wi
 template. The folder is written aside and renamed into place whole.
 
 The source is checked before any rank allocates the model: an index naming a file that does not
-exist, a missing shard, or a truncated safetensors file is one clear error.
+exist, a missing shard, a truncated safetensors file or a malformed header (any field of it:
+safetensors_header.py) is one clear error naming the file and the tensor.
 """
 from __future__ import annotations
 
 import json
 import shutil
-import struct
 from pathlib import Path
+
+from entrypoint.checkpoint import json_limits
+from entrypoint.checkpoint.safetensors_header import HEADER_LIMIT, MALFORMED_FIX, HeaderError, read_header
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-HEADER_LIMIT = 100 << 20
 
 
 class SourceCheckpointError(Exception):
@@ -35,26 +37,26 @@ class SourceCheckpointError(Exception):
 
 
 def _header(path: Path) -> dict:
-    """A safetensors file's header, checked against the file's size (a truncated file fails here)."""
-    size = path.stat().st_size
-    with path.open("rb") as fh:
-        raw = fh.read(8)
-        if len(raw) < 8:
-            raise SourceCheckpointError(f"{path} is truncated ({size} bytes)", "copy the model again")
-        (length,) = struct.unpack("<Q", raw)
-        if length > HEADER_LIMIT or 8 + length > size:
-            raise SourceCheckpointError(f"{path} is truncated or not safetensors (header of {length} bytes, file of "
-                                        f"{size})", "copy the model again; check that the download finished")
-        try:
-            header = json.loads(fh.read(length))
-        except ValueError:
-            raise SourceCheckpointError(f"{path} has an unreadable safetensors header",
-                                        "copy the model again") from None
-    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + length + end > size:
-        raise SourceCheckpointError(f"{path} is truncated: its tensors need {8 + length + end} bytes, the file has "
-                                    f"{size}", "copy the model again; check that the download finished")
-    return header
+    """A safetensors file's header, every field checked (safetensors_header.py): a truncated file or
+    a malformed header is one SourceCheckpointError naming the file and the tensor."""
+    try:
+        return read_header(path)
+    except HeaderError as exc:
+        raise SourceCheckpointError(str(exc), exc.fix) from None
+    except OSError as exc:
+        raise SourceCheckpointError(f"{path} is unreadable: {exc.strerror or exc}", "copy the model again") from None
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        if index.stat().st_size > HEADER_LIMIT:
+            raise ValueError(f"more than {HEADER_LIMIT} bytes")
+        weight_map = json_limits.loads(index.read_bytes(), 4)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SourceCheckpointError(f"{index} is unreadable: {str(exc)[:200]}", MALFORMED_FIX) from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise SourceCheckpointError(f"{index}: weight_map is not an object of tensor name -> file name", MALFORMED_FIX)
+    return weight_map
 
 
 def weight_files(model_dir: Path) -> dict[str, Path]:
@@ -62,12 +64,8 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     model_dir = Path(model_dir)
     index = model_dir / INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError):
-            raise SourceCheckpointError(f"{index} is unreadable", "copy the model again") from None
         files = {}
-        for name, file in weight_map.items():
+        for name, file in _weight_map(index).items():
             path = model_dir / file
             if "/" in file or file.startswith(".") or not path.is_file():
                 raise SourceCheckpointError(f"{index} names {file} (for {name}), which is not in {model_dir}",

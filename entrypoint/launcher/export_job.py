@@ -48,7 +48,7 @@ def prepare_export(*, config_file: str | None, overrides: list[str], checkpoint:
         launch_dir = real_dir(Path(cfg.output.dir) / ".launch")
     except (UnsafeFolder, SourceCheckpointError, CheckpointError, LaunchError) as exc:
         raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
-    log(f"[finetune] exporting {path} (step {state['step']}, saved by {state.get('world_size', '?')} ranks) on "
+    log(f"[finetune] exporting {path} (step {state.step}, saved by {state.world_size} ranks) on "
         f"{topo.nnodes * topo.nproc_per_node} ranks; no verify gate: exporting runs no fused kernel")
     plan = RunPlan(config=cfg, config_file=config_file, overrides=list(overrides), verify={}, allow_fallback=False,
                    allow_fallback_flag=False, packing=PackingDecision(requested="-", effective="-", reason="export"),
@@ -74,7 +74,7 @@ def run_export(plan, rank: int, world: int, device) -> dict:
     cfg = plan.config
     con = Console(rank)
     path = Path(plan.export_checkpoint)
-    read_state(path)
+    read_state(path, ranks=[rank])   # this rank's RNG file; the launcher checked them all
     attn = resolve_attention(cfg.model.attn_implementation, (plan.lock or {}).get("attn_implementation"),
                              device.type)
     model = build_on_meta(cfg.model.path, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)

@@ -223,13 +223,13 @@ def preflight_resume(cfg: FinetuneConfig, log: Callable[[str], None]) -> dict | 
         raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
     if found is None:
         return None
-    path, state = found
+    path, state = found   # every field validated (checkpoint/trainer_state.py); a damaged one was skipped
     try:
-        applied = rs.check(rs.changes(state.get("run_config", {}), rs.run_config(cfg)),
+        applied = rs.check(rs.changes(state.run_config, rs.run_config(cfg)),
                            list(cfg.checkpoint.allow_changed), path.name)
     except rs.ResumeRefused as exc:
         raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
-    return {**state, "path": str(path), "changes": [c.render() for c in applied]}
+    return {**state.to_dict(), "path": str(path), "changes": [c.render() for c in applied]}
 
 
 def warn_about(cfg: FinetuneConfig, corpus_path: Path, world: int, log: Callable[[str], None]) -> None:

@@ -73,6 +73,42 @@ def test_damaged_newest_checkpoint_is_skipped_on_resume(fixture_dir, tmp_path):
     assert f"resumed from {out / 'checkpoints' / 'step-00000002'} at step 2" in r.stdout
 
 
+def test_a_checkpoint_whose_state_lies_is_refused_or_skipped_never_trained_from(fixture_dir, tmp_path):
+    """trainer_state.json says step -4 (the folder is step 4): a resume pointed at it is refused
+    before any rank starts (exit 2, the fix); resume=auto skips it for the newest valid one, here on
+    fewer ranks than saved it, and every checkpoint the resumed run writes validates."""
+    from entrypoint.checkpoint.dcp import TRAINER_STATE, read_state
+    from tests.fixtures.checkpoints import edit_json
+
+    out = tmp_path / "out"
+    common = ("checkpoint.every=2", "checkpoint.keep=3")
+    r = run_finetune(fixture_dir, out, "train.max_steps=4", "launch.nproc_per_node=2", *common)
+    assert r.returncode == 0, r.stderr[-3000:]
+    newest = out / "checkpoints" / "step-00000004"
+    edit_json(newest / TRAINER_STATE, lambda state: state.update(step=-4))
+
+    r = run_finetune(fixture_dir, out, f"checkpoint.resume={newest}", "train.max_steps=6",
+                     "checkpoint.allow_changed=[train.max_steps]", "launch.nproc_per_node=1", *common)
+    log = r.stdout + r.stderr
+    assert r.returncode == 2, log[-3000:]
+    assert "step-00000004 is damaged: trainer_state.json: step: -4 is out of range (>= 0)" in log
+    assert "fix: resume=auto skips it" in log and "Traceback" not in log and "launching:" not in log
+
+    r = run_finetune(fixture_dir, out, "train.max_steps=6", "checkpoint.allow_changed=[train.max_steps]",
+                     "launch.nproc_per_node=1", *common)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-3000:]
+    assert "WARNING: skipping checkpoint step-00000004: step-00000004 is damaged: trainer_state.json: step" in r.stdout
+    assert f"resumed from {out / 'checkpoints' / 'step-00000002'} at step 2" in r.stdout and "Traceback" not in log
+    assert json.loads((out / "run_report.json").read_text())["final_step"] == 6
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["step-00000002", "step-00000004", "step-00000006"], names   # no step--0000004
+    for path in list_checkpoints(out / "checkpoints"):
+        state = read_state(path)   # what the resumed run saved validates (it re-saved step 4 whole)
+        assert state.step == int(path.name[5:]) and state.sampler.position <= state.step * state.max_step_items
+    assert read_state(out / "checkpoints" / "step-00000006").max_step_items == 2   # the widest step: 2 ranks
+
+
 def test_non_finite_gradients_stop_the_run_before_the_optimizer_steps(fixture_dir, tmp_path):
     out = tmp_path / "out"
     r = run_entrypoint(["finetune", "--config", str(fixture_dir.config), "--allow-fallback", f"output.dir={out}",

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from contracts.folder_guard import UnsafeFolder
 from entrypoint.checkpoint.dcp import TRAINER_STATE, Checkpointer, CheckpointError, files_manifest, list_checkpoints
+from tests.fixtures.checkpoints import model_and_optimizer as _model_and_optimizer
+from tests.fixtures.checkpoints import trainer_state
 
 pytestmark = pytest.mark.unit
 
@@ -35,19 +37,10 @@ def group(tmp_path):
     dist.destroy_process_group()
 
 
-def _model_and_optimizer():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randn(3, 4)).sum().backward()
-    optimizer.step()
-    return model, optimizer
-
-
 def _saved(tmp_path) -> tuple[Checkpointer, Path]:
     ckpt = Checkpointer(tmp_path / "out" / "checkpoints", keep=2, rank=0, world_size=1)
     model, optimizer = _model_and_optimizer()
-    return ckpt, ckpt.save(3, model, optimizer, {"step": 3})
+    return ckpt, ckpt.save(3, model, optimizer, trainer_state(3))
 
 
 def _reseal(step_dir: Path) -> None:
@@ -67,11 +60,11 @@ def test_a_pickled_rng_file_is_never_loaded(group, tmp_path):
     marker = tmp_path / "pwned-rng"
     (step_dir / "rng-rank0.pt").write_bytes(pickle.dumps(Payload(marker)))   # the name earlier releases loaded
     _reseal(step_dir)
-    assert _resume(ckpt, step_dir)["step"] == 3
+    assert _resume(ckpt, step_dir).step == 3
     assert not marker.exists()
     (step_dir / "rng-rank0.json").write_bytes(pickle.dumps(Payload(marker)))
     _reseal(step_dir)
-    with pytest.raises(CheckpointError, match="was refused"):
+    with pytest.raises(CheckpointError, match="step-00000003 is damaged: rng-rank0.json: it is not JSON"):
         _resume(ckpt, step_dir)
     assert not marker.exists()
 
@@ -119,7 +112,7 @@ def test_a_checkpoints_symlink_to_another_run_is_neither_resumed_nor_written_nor
     ckpt = Checkpointer(mine / "checkpoints", keep=1, rank=0, world_size=1)
     model, optimizer = _model_and_optimizer()
     with pytest.raises(UnsafeFolder, match="is a symlink"):
-        ckpt.save(9, model, optimizer, {"step": 9})
+        ckpt.save(9, model, optimizer, trainer_state(9))
     assert sorted(p.name for p in step_dir.parent.iterdir()) == theirs
     assert ckpt.clean_stale() == []
 
@@ -135,7 +128,7 @@ def test_prune_deletes_only_marked_real_step_folders(group, tmp_path):
     (tmp_path / "ckpts" / "step-00000002").mkdir()                     # a folder this tool did not make
     (tmp_path / "ckpts" / ".tmp-step-00000003").mkdir()                # an unmarked temp-looking folder
     for step in (4, 5):
-        ckpt.save(step, model, optimizer, {"step": step})
+        ckpt.save(step, model, optimizer, trainer_state(step))
     assert [p.name for p in list_checkpoints(tmp_path / "ckpts")] == ["step-00000005"]
     assert (victim / "keep.txt").read_text() == "mine"
     assert (tmp_path / "ckpts" / "step-00000002").is_dir()
