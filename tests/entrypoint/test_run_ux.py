@@ -14,7 +14,7 @@ from tests.fixtures.chat import entrypoint_env, run_entrypoint
 
 def test_lr_schedule_is_warmup_then_cosine_to_the_floor():
     from contracts.finetune_config import build_config
-    from entrypoint.trainer import schedule
+    from entrypoint.schedule import schedule
 
     cfg = build_config([{"train": {"lr": 1e-3, "warmup_steps": 4, "max_steps": 20, "min_lr_ratio": 0.1}}],
                        require_paths=False)
