@@ -11,7 +11,7 @@ import atexit
 import os
 import sys
 
-from guard import report, settings
+from guard import record, settings
 from guard.state import Guard
 
 CURRENT: Guard | None = None     # this process's guard, once active (tests and tools read it)
@@ -19,7 +19,7 @@ CURRENT: Guard | None = None     # this process's guard, once active (tests and 
 
 def _fail(code: int, problem: str, fix: str) -> None:
     try:
-        sys.stderr.write(f"error: {report.PREFIX}: {problem}\n  fix: {fix}\n")
+        sys.stderr.write(f"error: {record.PREFIX}: {problem}\n  fix: {fix}\n")
         sys.stderr.flush()
     finally:
         os._exit(code)
@@ -39,14 +39,14 @@ def on_import(module, family_name: str) -> None:
     try:
         current = settings.read()
     except settings.BadSetting as exc:
-        _fail(report.BAD_SETTING, exc.problem, exc.fix)
+        _fail(record.BAD_SETTING, exc.problem, exc.fix)
         return
     if not current.enabled:
-        report.log(f"off ({settings.GUARD_ENV}=off): {module.__name__} runs without the runtime check of its fused "
+        record.log(f"off ({settings.GUARD_ENV}=off): {module.__name__} runs without the runtime check of its fused "
                    "kernels and packed-batch boundaries in this process")
-        problem = report.write(current.report, report.off_report(module.__name__, family_name), current.json_logs)
+        problem = record.write(current.report, record.off_report(module.__name__, family_name), current.json_logs)
         if problem:
-            report.log(f"warning: {problem}")
+            record.log(f"warning: {problem}")
         return
     try:
         from families import load_family
@@ -56,7 +56,7 @@ def on_import(module, family_name: str) -> None:
         guard = Guard(current, family, module.__name__)
         wrap.install(guard, module, family)
     except Exception as exc:  # noqa: BLE001 - fail closed, in one line
-        _fail(report.REFUSED, f"could not attach to {module.__name__}: {type(exc).__name__}: {exc}",
+        _fail(record.REFUSED, f"could not attach to {module.__name__}: {type(exc).__name__}: {exc}",
               f"use the image's own transformers and families/; {settings.GUARD_ENV}=off runs without the guard "
               "(logged)")
         return

@@ -17,7 +17,7 @@ import torch
 from families import Family
 from families.binding import describe
 from guard import batch as batch_mod
-from guard import graph, report, rules
+from guard import graph, record, rules
 from guard.settings import Settings
 
 UNATTRIBUTED_LIMIT = 256   # training calls seen outside the family's model classes before the window closes anyway
@@ -85,12 +85,12 @@ class Guard:
         if override and override not in self.overrides:
             self.overrides.append(override)
             rec.override = override
-            report.log(f"override: {override}")
+            record.log(f"override: {override}")
 
     def warn(self, message: str) -> None:
         if message not in self.warnings:
             self.warnings.append(message)
-            report.log(f"warning: {message}")
+            record.log(f"warning: {message}")
 
     # -- the family model's forward ----------------------------------------------------------------------
     def model_forward(self, original, signature, model, args, kwargs):
@@ -241,14 +241,14 @@ class Guard:
                 return
             self.stop_checking()
             self.window_ended = True
-            data = report.build(self)
-            report.publish(self, data)
-            report.log(report.summary(self, data))
+            data = record.build(self)
+            record.publish(self, data)
+            record.log(record.summary(self, data))
 
     def refuse(self) -> None:
         with self.lock:
             self.stop_checking()
-            report.refuse(self)
+            record.refuse(self)
 
     def at_exit(self) -> None:
         if os.getpid() != self.pid or not self.active:
@@ -258,4 +258,4 @@ class Guard:
             return
         with self.lock:
             self.active = False
-            report.publish(self, report.build(self))
+            record.publish(self, record.build(self))

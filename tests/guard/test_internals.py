@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from entrypoint import console
+from entrypoint.observability import console
 from families.binding import read_resolution
 from guard import batch, graph, rules, settings
 
