@@ -131,57 +131,46 @@ def folder_of(name: str) -> str:
     return name
 
 
+def find_cycles(edges: dict[str, set[str]], *, skip=lambda node, nxt: False) -> list[str]:
+    """Every cycle a depth-first walk of `edges` meets, as "a -> b -> a"."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if skip(node, nxt):
+                continue
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+    return cycles
+
+
 def test_no_import_cycles_between_folders():
     edges: dict[str, set[str]] = {}
     for name, targets in graph(runtime_only=True).items():
         here = folder_of(name)
         edges.setdefault(here, set()).update(folder_of(t) for t in targets if folder_of(t) != here
                                              and t.split(".")[0] == name.split(".")[0])
-    state: dict[str, int] = {}
-    stack: list[str] = []
-    cycles = []
-
-    def visit(node: str) -> None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(edges.get(node, ())):
-            if state.get(nxt) == 1:
-                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
-            elif nxt not in state:
-                visit(nxt)
-        stack.pop()
-        state[node] = 2
-
-    for node in sorted(edges):
-        if node not in state:
-            visit(node)
+    cycles = find_cycles(edges)
     assert not cycles, "\n".join(cycles)
 
 
 def test_no_import_cycles():
-    edges = graph()
     # package __init__ modules re-export their submodules; an edge from a submodule back to its
-    # own package's __init__ is what makes a cycle, so keep every edge
-    state: dict[str, int] = {}
-    stack: list[str] = []
-    cycles = []
-
-    def visit(node: str) -> None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(edges.get(node, ())):
-            if nxt.startswith(node + "."):
-                continue  # a package importing its own submodule is not a cycle by itself
-            if state.get(nxt) == 1:
-                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
-            elif nxt not in state:
-                visit(nxt)
-        stack.pop()
-        state[node] = 2
-
-    for node in sorted(edges):
-        if node not in state:
-            visit(node)
+    # own package's __init__ is what makes a cycle, so keep every edge, except a package importing
+    # its own submodule, which is not a cycle by itself
+    cycles = find_cycles(graph(), skip=lambda node, nxt: nxt.startswith(node + "."))
     assert not cycles, "\n".join(cycles)
 
 

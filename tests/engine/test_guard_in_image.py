@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 
-import docker
 import pytest
+
+from tests.fixtures.containers import run_in as _run
 
 pytestmark = pytest.mark.engine
 
@@ -31,18 +32,6 @@ for step in range(3):
     opt.zero_grad()
     print(f"trained step {step + 1}", flush=True)
 """
-
-
-def _run(image: str, command: list[str], environment: dict | None = None) -> tuple[int, str]:
-    client = docker.from_env(timeout=900)
-    container = client.containers.create(image, command, network_mode="none", detach=True,
-                                         environment=environment or {})
-    try:
-        container.start()
-        code = container.wait(timeout=900)["StatusCode"]
-        return code, container.logs().decode(errors="replace")
-    finally:
-        container.remove(force=True)
 
 
 def _python(*args: str) -> list[str]:

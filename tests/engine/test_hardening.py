@@ -2,8 +2,9 @@
 no setuid programs or bundled pip wheels, and verify works on a read-only root."""
 from __future__ import annotations
 
-import docker
 import pytest
+
+from tests.fixtures.containers import run_in as _run
 
 pytestmark = pytest.mark.engine
 
@@ -26,17 +27,6 @@ def hostile_workspace(tmp_path):
     for p in ws.rglob("*"):
         p.chmod(0o755 if p.is_dir() else 0o644)
     return ws
-
-
-def _run(image: str, command: list[str], **kw) -> tuple[int, str]:
-    client = docker.from_env(timeout=900)
-    container = client.containers.create(image, command, network_mode="none", detach=True, **kw)
-    try:
-        container.start()
-        code = container.wait(timeout=900)["StatusCode"]
-        return code, container.logs().decode(errors="replace")
-    finally:
-        container.remove(force=True)
 
 
 @pytest.mark.parametrize("command, expected_exit", [

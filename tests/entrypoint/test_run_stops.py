@@ -16,6 +16,7 @@ import pytest
 from entrypoint.checkpoint.dcp import list_checkpoints
 from entrypoint.launcher.stop_request import HOLD_ENV, STOP_DIR_ENV
 from tests.fixtures.chat import REPO, entrypoint_env, finetune_metrics, run_entrypoint
+from tests.fixtures.processes import descendants
 
 LONG_EVAL = ("data.eval_fraction=0.1", "train.eval_every=2", "eval.samples=1024", "eval.max_new_tokens=4096")
 
@@ -40,22 +41,6 @@ def _held(gate: Path, phase: str) -> bool:
 
 def _report(out: Path) -> dict:
     return json.loads((out / "run_report.json").read_text())
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _alive(pid: int) -> bool:
@@ -106,7 +91,7 @@ def test_workers_do_not_outlive_a_launcher_killed_during_generation(fixture_dir,
     proc = _start(fixture_dir, out, log, "train.max_steps=400", "checkpoint.every=0", "checkpoint.export=false",
                   *LONG_EVAL)
     _wait_until(lambda: "eval step 2: loss" in log.read_text(), proc, log)
-    tree = _descendants(proc.pid)        # the agent and both workers
+    tree = descendants(proc.pid)        # the agent and both workers
     assert len(tree) >= 3, tree
     proc.kill()                          # SIGKILL: the launcher has no last word
     proc.wait(timeout=30)
@@ -148,7 +133,7 @@ def test_a_kill_during_the_final_export_is_finished_by_the_rerun(fixture_dir, tm
     common = ("train.max_steps=2", "checkpoint.every=0", "checkpoint.export=true")
     proc = _start(fixture_dir, out, log, *common, hold=f"export:{gate}")
     _wait_until(lambda: _held(gate, "export"), proc, log)
-    for pid in [proc.pid, *_descendants(proc.pid)]:   # kill -9, the whole tree at once: a node dying
+    for pid in [proc.pid, *descendants(proc.pid)]:   # kill -9, the whole tree at once: a node dying
         os.kill(pid, signal.SIGKILL)
     proc.wait(timeout=30)
     assert (out / ".tmp-final").is_dir() and not (out / "final").exists()

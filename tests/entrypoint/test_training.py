@@ -17,6 +17,7 @@ from entrypoint.launcher.preflight import prepare
 from entrypoint.launcher.torchrun import free_port
 from entrypoint.launcher.verify_gate import GateOutcome
 from tests.fixtures.chat import entrypoint_env, run_entrypoint
+from tests.fixtures.processes import descendants
 
 pytestmark = pytest.mark.training
 
@@ -44,26 +45,10 @@ def _launch_packed(config: Path, out: Path, *overrides: str, **popen) -> subproc
                             text=True, **popen)
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
 def _kill_tree(pid: int) -> None:
     """SIGKILL the agent and every worker at once, like a node dying. torchrun starts its
     workers in their own sessions, so a process-group kill would leave them running."""
-    for p in _descendants(pid):
+    for p in [pid, *descendants(pid)]:
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
