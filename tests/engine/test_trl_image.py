@@ -80,3 +80,24 @@ def test_trl_padded_trains_under_the_override_with_the_fallback_on_record(trl_im
 def test_without_the_override_the_gate_refuses_trl_before_it_starts(trl_image, trl_job):
     code, out = _sft(trl_image, trl_job, "padded", {})
     assert code == 3 and "verify did not pass" in out and "TRAINED" not in out, out[-4000:]
+
+
+def test_the_deploy_example_runs_trl_packing_and_the_guard_judges_it(trl_image, tmp_path_factory):
+    """deploy/trl/sft_packed.py, exactly as shipped, on the tiny model: on CPU only the torch
+    fallback exists, so its packed run must be stopped at step 1 with the fix."""
+    from tests.fixtures.chat import write_fixture
+
+    root = tmp_path_factory.mktemp("trl-example")
+    fixture = write_fixture(root / "fx", n_rows=64)
+    shutil.copytree(REPO_ROOT / "deploy" / "trl", root / "trl")
+    for path in [root, *root.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    command = [GATE, "--", PYTHON, "/job/trl/sft_packed.py", "--model", "/job/fx/model", "--data",
+               f"/job/fx/{fixture.data.name}", "--output", "/tmp/sft", "--max-steps", "2", "--max-length", "128",
+               "--cpu", "--attn", "sdpa"]
+    code, out = run_in(trl_image, command, environment={"HOME": "/tmp", "FTIMAGE_ALLOW_FALLBACK": "1"},
+                       volumes={str(root): {"bind": "/job", "mode": "ro"}})
+    assert code == 3, out[-4000:]
+    refusals = [line for line in out.splitlines() if line.startswith("error: ftimage-guard")]
+    assert len(refusals) == 1 and "Traceback" not in out, out[-4000:]
+    assert "flash_attention_2" in out, out[-4000:]
