@@ -27,6 +27,7 @@ from pathlib import Path
 
 from build.errors import BuildFailure
 from build.spec import REPO_ROOT
+from contracts import folder_guard
 from contracts.schema import InvalidInput, Problem
 
 SECOND_BUILD_TZ = "Pacific/Kiritimati"
@@ -179,6 +180,8 @@ def _share(source: Path, dest: Path) -> None:
 def _build(clone: Path, image_rel: str, work: Path, label: str, *, umask: int, tz: str, hostname: str | None,
            kernels_from: Path | None, inputs_from: Path | None, log_to) -> BuildResult:
     cache, out = work / f"cache-{label}", work / f"out-{label}"
+    if kernels_from is not None or inputs_from is not None:   # a cache this tool made, before anything goes in
+        folder_guard.claim(cache, folder_guard.CACHE_MARKER, what="cache folder", option="--work")
     if kernels_from is not None and (kernels_from / "kernels").is_dir():
         # compiled kernels are shared on purpose: nvcc's output is not the subject of this check
         _share(kernels_from / "kernels", cache / "kernels")
