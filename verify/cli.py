@@ -7,7 +7,7 @@ import shutil
 import sys
 
 from verify.report import CheckResult, Report, Status
-from verify.runner import CHECKS, DEVICES, UsageError, run_checks
+from verify.runner import ALL_CHECKS, AUDIT_CHECKS, CHECKS, DEVICES, UsageError, run_checks
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,9 +19,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     p.add_argument("--lock", metavar="PATH", help="build lock to check against (default: $FTIMAGE_LOCK or "
                    "/etc/ftimage/build.lock.json)")
+    p.add_argument("--no-lock", action="store_true", help="read no lock (the audit of an image this project did not "
+                   "build: `python -m build audit IMAGE`): rows that compare with a lock are SKIP with that reason, "
+                   f"and the {','.join(AUDIT_CHECKS)} rows run too")
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="where to run the probes; auto = cuda if present, else cpu")
-    p.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
+    p.add_argument("--checks", default=None, help=f"comma-separated subset of {','.join(ALL_CHECKS)} (default: "
+                   f"{','.join(CHECKS)}; with --no-lock all of them)")
     p.add_argument("--json-file", metavar="PATH", help="also write the JSON report to PATH (the table still prints)")
     p.add_argument("--deep", action="store_true", help="hash every installed file against RECORD, even huge ones")
     p.add_argument("--model", metavar="DIR", help="the model to be trained (its config.json): refused if it needs "
@@ -38,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         report = run_checks(args.checks, device=args.device, lock=args.lock, deep=args.deep, model=args.model,
-                            param_dtype=args.param_dtype)
+                            param_dtype=args.param_dtype, no_lock=args.no_lock)
     except UsageError as exc:
         report = Report.of([CheckResult("usage", Status.FAIL, str(exc), exc.fix)])
     if args.json_file:

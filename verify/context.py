@@ -44,6 +44,7 @@ class Context:
     model_config: dict[str, Any] | None = None   # the config.json of the model to be trained, if given
     model_source: str = ""         # where model_config came from (a path), for messages
     param_dtype: str = "bfloat16"  # the dtype training runs the model in
+    no_lock: bool = False          # audit of an image without an ftimage lock: rows "as locked" are SKIP
     extra: dict[str, Any] = field(default_factory=dict)
 
     def kernel_for(self, function: str) -> LockedKernel | None:

@@ -18,6 +18,11 @@ from verify.scratch import NoScratch, ensure_scratch
 # compiled, what transformers picked, whether the kernels compute the right thing, whether
 # packing stays isolated.
 CHECKS: tuple[str, ...] = ("environment", "model_fit", "dispatch", "fused_ops", "isolation")
+# Run by default only with --no-lock (the audit of a foreign image); any image may ask for them.
+AUDIT_CHECKS: tuple[str, ...] = ("extensions",)
+ALL_CHECKS: tuple[str, ...] = ("environment", "extensions", "model_fit", "dispatch", "fused_ops", "isolation")
+NO_LOCK_DETAIL = ("no lock read (--no-lock): the audit of an image without an ftimage lock, so every row that "
+                  "compares with a lock is SKIP")
 PARAM_DTYPES = ("bfloat16", "float16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
 
@@ -30,15 +35,15 @@ class UsageError(Exception):
         self.fix = fix
 
 
-def parse_checks(spec: str | Iterable[str] | None) -> tuple[str, ...]:
+def parse_checks(spec: str | Iterable[str] | None, *, no_lock: bool = False) -> tuple[str, ...]:
     if spec is None:
-        return CHECKS
+        return ALL_CHECKS if no_lock else CHECKS
     names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip()]
-    unknown = [n for n in names if n not in CHECKS]
+    unknown = [n for n in names if n not in ALL_CHECKS]
     if unknown or not names:
         raise UsageError(f"unknown check(s): {', '.join(unknown) or '(none given)'}",
-                         f"choose from: {','.join(CHECKS)}")
-    return tuple(n for n in CHECKS if n in names)
+                         f"choose from: {','.join(CHECKS)} (and {','.join(AUDIT_CHECKS)})")
+    return tuple(n for n in ALL_CHECKS if n in names)
 
 
 def resolve_device(device: str) -> str:
@@ -63,14 +68,20 @@ def _lock_row(path: Path) -> tuple[CheckResult, object]:
 
 def run_checks(checks: str | Sequence[str] | None = None, *, device: str = "auto",
                lock: str | os.PathLike | None = None, deep: bool = False, model: str | os.PathLike | None = None,
-               param_dtype: str = "bfloat16") -> Report:
+               param_dtype: str = "bfloat16", no_lock: bool = False) -> Report:
     """Run the selected checks and return the report.
 
     Environment problems (no lock, no GPU, a crashing check) become FAIL rows, never exceptions;
     only bad arguments raise UsageError (with a fix). The entrypoint gates on `report.passed`;
     only its own --allow-fallback / FTIMAGE_ALLOW_FALLBACK=1 may override that.
+
+    no_lock: read no lock at all (the audit of an image this project did not build): the lock
+    row and every row that compares "as locked" are SKIP with that reason, and the extensions
+    rows run by default. It is never a stand-in lock: nothing is compared with one.
     """
-    names = parse_checks(checks)
+    if no_lock and lock:
+        raise UsageError("--lock and --no-lock contradict each other", "give one of them")
+    names = parse_checks(checks, no_lock=no_lock)
     try:
         ensure_scratch()
     except NoScratch as exc:
@@ -78,8 +89,10 @@ def run_checks(checks: str | Sequence[str] | None = None, *, device: str = "auto
     if param_dtype not in PARAM_DTYPES:
         raise UsageError(f"unknown param dtype {param_dtype!r}", f"use one of: {', '.join(PARAM_DTYPES)}")
     resolved = resolve_device(device)
-    path = Path(lock) if lock else lock_path()
-    lock_row, build_lock = _lock_row(path)
+    if no_lock:
+        lock_row, build_lock = CheckResult("lock", Status.SKIP, NO_LOCK_DETAIL, data={"no_lock": True}), None
+    else:
+        lock_row, build_lock = _lock_row(Path(lock) if lock else lock_path())
     family = None
     family_name = build_lock.model_family if build_lock else DEFAULT_FAMILY
     if build_lock is None:
@@ -99,7 +112,7 @@ def run_checks(checks: str | Sequence[str] | None = None, *, device: str = "auto
         except ModelConfigError as exc:
             rows.append(CheckResult("model_fit.config", Status.FAIL, str(exc), exc.fix))
     ctx = Context(lock=build_lock, device=resolved, family=family, deep=deep, model_config=model_config,
-                  model_source=model_source, param_dtype=param_dtype)
+                  model_source=model_source, param_dtype=param_dtype, no_lock=no_lock)
 
     for name in names:
         rows.extend(_run_one(name, ctx))
@@ -107,7 +120,7 @@ def run_checks(checks: str | Sequence[str] | None = None, *, device: str = "auto
 
 
 def _run_one(name: str, ctx: Context) -> list[CheckResult]:
-    needs_family = name in ("model_fit", "dispatch", "fused_ops", "isolation")
+    needs_family = name in ("extensions", "model_fit", "dispatch", "fused_ops", "isolation")
     if needs_family and ctx.family is None:
         return [CheckResult(name, Status.FAIL, "no usable model family (see model_family row)",
                             "fix the model family first")]

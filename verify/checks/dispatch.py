@@ -28,22 +28,27 @@ REQUIRES = ("transformers",)   # the modeling code whose dispatch these rows pro
 REBUILD = "rebuild the image with `python -m build` so the lock's kernel wheels are installed and importable"
 
 
-def fallback_fix(need: FusedNeed, package: str, why: str) -> str:
+def fallback_fix(need: FusedNeed, package: str, why: str, audit: bool = False) -> str:
     if "raises" in why or "does not resolve" in why:
         return (f"{package} is installed but broken (error in DETAIL): rebuild its wheel against this "
                 "image's torch/CUDA (`python -m build`); an undefined symbol means an ABI mismatch")
+    if audit:
+        return (f"install `{package}` built for this image's torch and CUDA (it backs {need.function} with "
+                f"{need.boundary_kwarg}), or build the image with `python -m build`")
     if need.kernel is not None:
         return f"rebuild the image: the lock lists {need.kernel.distribution} but it is not importable"
     return f"add a kernel that replaces {need.function} to the image's kernels and rebuild"
 
 
 def decide_function(need: FusedNeed, res: Resolution, runtime: dict[str, int] | None, runtime_error: str,
-                    why: str) -> CheckResult:
+                    why: str, audit: bool = False) -> CheckResult:
     """Pure decision for one required fused function. `runtime` holds call counts of the fused
-    and torch code objects during one packed forward of the probe model (None when not run)."""
+    and torch code objects during one packed forward of the probe model (None when not run).
+    audit: no lock was read (--no-lock), so a kernel no lock lists is what is being audited."""
     lock_kernel: LockedKernel | None = need.kernel
     name = f"dispatch.{need.function}"
     lock_note = (f"lock: {lock_kernel.distribution} {lock_kernel.version}" if lock_kernel
+                 else "no lock (--no-lock, an audit)" if audit
                  else f"the lock has no kernel replacing {need.function}")
     package = lock_kernel.import_name if lock_kernel else (res.package or "?")
     if not res.readable:
@@ -57,7 +62,7 @@ def decide_function(need: FusedNeed, res: Resolution, runtime: dict[str, int] | 
             f"torch reference path: {need.wrapper} resolved to {describe(res.implementation)} "
             f"(is_new_implementation=False); why: {why}; {lock_note}; the torch path also drops "
             f"{need.boundary_kwarg}, so packed documents leak",
-            fallback_fix(need, package, why), data)
+            fallback_fix(need, package, why, audit), data)
     impl_module = getattr(inspect.unwrap(res.implementation), "__module__", "") or ""
     if not impl_module.startswith(package):
         return CheckResult(
@@ -69,7 +74,7 @@ def decide_function(need: FusedNeed, res: Resolution, runtime: dict[str, int] | 
             name, Status.FAIL,
             f"{describe(res.implementation)} takes no `{need.boundary_kwarg}`; transformers drops it, so "
             "packed documents leak", f"install the {package} version pinned in the lock", data)
-    if lock_kernel is None:
+    if lock_kernel is None and not audit:
         return CheckResult(name, Status.FAIL, f"fused ({describe(res.implementation)}) but {lock_note}",
                            "rebuild the image: an unlocked kernel was not built or checked by build/", data)
     if runtime is None:
@@ -91,7 +96,7 @@ def decide_function(need: FusedNeed, res: Resolution, runtime: dict[str, int] | 
 
 def decide_attention(required: Attention, promised: str, build_error: str, model_attn: str | None,
                      varlen_fn: Callable | None, runtime: dict[str, int] | None, why: str,
-                     locked: bool = True, package: str = "flash_attn") -> CheckResult:
+                     locked: bool = True, package: str = "flash_attn", audit: bool = False) -> CheckResult:
     name = "dispatch.attention"
     data = {"promised": promised, "model": model_attn, "varlen_fn": describe(varlen_fn), "runtime_calls": runtime}
     want = required.implementation
@@ -102,8 +107,9 @@ def decide_attention(required: Attention, promised: str, build_error: str, model
             "(sdpa/eager are the torch path and only mask packing, flash-attn varlen is the fused kernel)",
             f"build the image with attn_implementation: {want} and the flash-attn wheel", data)
     if build_error:
-        return CheckResult(name, Status.FAIL, f"transformers refused {want}: {build_error}; why: {why}",
-                           f"install the lock's {package} wheel; " + REBUILD, data)
+        fix = (f"install `{package}` built for this image's torch and CUDA, or build the image with `python -m build`"
+               if audit else f"install the lock's {package} wheel; " + REBUILD)
+        return CheckResult(name, Status.FAIL, f"transformers refused {want}: {build_error}; why: {why}", fix, data)
     if model_attn != want:
         return CheckResult(name, Status.FAIL, f"the model runs {model_attn!r}, not {want!r}",
                            f"pass attn_implementation={want!r} when building the model", data)
@@ -208,7 +214,7 @@ def run(ctx: Context) -> list[CheckResult]:
         why = "" if (res.is_new or not res.readable) else explain_fallback(package, symbol, distribution)
         per_fn = None if runtime is None else {
             "torch": runtime[f"{need.function}:torch"], "fused": runtime[f"{need.function}:fused"]}
-        rows.append(decide_function(need, res, per_fn, runtime_error, why))
+        rows.append(decide_function(need, res, per_fn, runtime_error, why, audit=ctx.no_lock))
 
     attn_runtime = None
     if runtime is not None and model_attn == family.attention.implementation:
@@ -219,7 +225,8 @@ def run(ctx: Context) -> list[CheckResult]:
     rows.append(decide_attention(family.attention, wanted_attn, attn_error,
                                  None if attn_error else model_attn,
                                  fa_utils._flash_varlen_fn, attn_runtime, attn_why,
-                                 locked=attention is not None, package=attn_package))
+                                 locked=attention is not None or ctx.no_lock, package=attn_package,
+                                 audit=ctx.no_lock))
     kernels_version, hub_enabled = _kernels_state()
     rows.append(decide_kernel_hub(kernels_version, hub_enabled, bool(getattr(model, "use_kernels", False))))
     if runtime_error and all(r.status != Status.FAIL for r in rows):

@@ -276,6 +276,8 @@ def run(ctx: Context) -> list[CheckResult]:
     count = torch.cuda.device_count() if available else 0
     rows = [decide_cuda_device(available, count, torch.cuda.get_device_name(0) if count else "")]
     lock = ctx.lock
+    if lock is None and ctx.no_lock:
+        return rows + without_lock(count, torch)
     if lock is None:
         rows.append(CheckResult("environment.lock", Status.FAIL, "no lock to compare the installation with",
                                 "see the lock row"))
@@ -300,4 +302,38 @@ def run(ctx: Context) -> list[CheckResult]:
     cache = triton_cache_dir()
     rows.append(decide_triton_runtime(needed, find_compiler(), Path(sysconfig.get_paths()["include"]) / "Python.h",
                                       cache, _writable(cache) if needed else False))
+    return rows
+
+
+NO_LOCK = "no lock (--no-lock, an audit)"
+
+
+def without_lock(device_count: int, torch) -> list[CheckResult]:
+    """The rows of an image without an ftimage lock: what is installed is reported, every
+    comparison with a lock is SKIP, and what needs no lock is still checked: the driver
+    against the CUDA this torch was built for, and Triton's runtime when fla is installed."""
+    python = ".".join(map(str, sys.version_info[:3]))
+    versions = {"python": python, "torch": _version("torch") or torch.__version__,
+                "torch_cuda": torch.version.cuda, "transformers": _version("transformers")}
+    shown = ", ".join(f"{k} {v or 'none'}" for k, v in versions.items())
+    rows = []
+    if device_count:
+        rows.append(CheckResult("environment.arch", Status.SKIP, f"{NO_LOCK}: no target_archs to compare with; the "
+                                "extensions rows compare each kernel's SASS with this GPU"))
+        if torch.version.cuda:
+            driver = decide_driver(driver_version(), ".".join(torch.version.cuda.split(".")[:2]))
+            rows.append(CheckResult(driver.check, driver.status, f"{driver.detail} (the CUDA this torch was built "
+                                    "for)", driver.fix))
+    rows.append(CheckResult("environment.versions", Status.SKIP, f"{shown}; {NO_LOCK}: nothing to compare them with",
+                            data=versions))
+    rows.append(CheckResult("environment.kernels", Status.SKIP, f"{NO_LOCK}: no locked kernel wheels or RECORD "
+                            "hashes to compare; the extensions rows report each installed kernel"))
+    triton_kernels = [d for d in ("fla-core", "flash-linear-attention") if _version(d)]
+    if not triton_kernels:
+        rows.append(CheckResult("environment.triton_runtime", Status.SKIP, "no Triton kernel package (fla) is "
+                                "installed, so no JIT at run time"))
+        return rows
+    cache = triton_cache_dir()
+    rows.append(decide_triton_runtime(True, find_compiler(), Path(sysconfig.get_paths()["include"]) / "Python.h",
+                                      cache, _writable(cache)))
     return rows
