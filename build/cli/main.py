@@ -6,6 +6,7 @@ maps failures to exit codes; each command lives in its own module (the list: EPI
     bases ... | bootstrap-base bases.py     deb locks and bootstrapped bases
     verify-image REF           here         a pushed image's signature and attestation (build/audit)
     verify-reproducible DIR    build/audit/reproducible.py
+    audit IMAGE                audit_command.py  verify in an image this project did not build (build/audit)
 
 Exit codes: 0 ok; 2 invalid spec, incompatible pins or bad arguments; 1 a failed build
 (engine, download, compile, checks, registry); 3 refused (kernels import, verify-image).
@@ -41,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
             return bases.main(argv[1:])
         if argv and argv[0] == "verify-image":
             return _verify_image(argv[1:])
+        if argv and argv[0] == "audit":
+            from build.cli import audit_command
+
+            return audit_command.main(argv[1:])
         if argv and argv[0] == "verify-reproducible":
             from build.audit.reproducible import main as verify_reproducible
 

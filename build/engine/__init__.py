@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from build.errors import BuildFailure
 from contracts.events import EventLog
 
 
@@ -23,7 +24,22 @@ class BuiltImage:
 @dataclass(frozen=True)
 class RunResult:
     exit_code: int
-    output: str
+    output: str          # stdout and stderr together, in order
+    stdout: str = ""     # stdout alone (e.g. a JSON report, free of warnings on stderr)
+
+
+class ContainerStartFailed(BuildFailure):
+    """The container was created but could not start, e.g. its command is not on the image's
+    PATH; `explanation` is the engine's own words."""
+
+    def __init__(self, message: str, fix: str = "", explanation: str = ""):
+        super().__init__(message, fix)
+        self.explanation = explanation
+
+    @property
+    def executable_missing(self) -> bool:
+        text = self.explanation.lower()
+        return "executable file not found" in text or "no such file or directory" in text
 
 
 class Engine(Protocol):
@@ -54,8 +70,10 @@ class Engine(Protocol):
             volumes: dict[str, dict[str, str]] | None = None, environment: dict[str, str] | None = None,
             user: str | None = None, entrypoint: list[str] | None = None, timeout: float = 3600,
             mem_limit: str | None = None, labels: dict[str, str] | None = None,
-            on_output: Callable[[str], None] | None = None) -> RunResult:
-        """Run to completion (output streamed line by line to on_output); the container is removed."""
+            on_output: Callable[[str], None] | None = None, gpus: int | None = None) -> RunResult:
+        """Run to completion (output streamed line by line to on_output); the container is removed.
+        gpus: pass GPUs through (-1 all, N the first N); a command that cannot start raises
+        ContainerStartFailed."""
 
     def remove_containers(self, label: str) -> int:
         """Remove every container carrying `label` (key=value); returns how many."""

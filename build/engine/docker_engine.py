@@ -15,9 +15,10 @@ from typing import Any
 
 import docker
 import docker.errors
+import docker.types
 import requests.exceptions
 
-from build.engine import BuiltImage, RunResult
+from build.engine import BuiltImage, ContainerStartFailed, RunResult
 from build.engine.diskspace import DISK_FIX
 from build.errors import BuildFailure
 from contracts.events import EventLog, Progress
@@ -170,23 +171,31 @@ class DockerEngine:
             volumes: dict[str, dict[str, str]] | None = None, environment: dict[str, str] | None = None,
             user: str | None = None, entrypoint: list[str] | None = None, timeout: float = 3600,
             mem_limit: str | None = None, labels: dict[str, str] | None = None,
-            on_output: Callable[[str], None] | None = None) -> RunResult:
+            on_output: Callable[[str], None] | None = None, gpus: int | None = None) -> RunResult:
+        devices = [docker.types.DeviceRequest(count=gpus, capabilities=[["gpu"]])] if gpus else None
         try:
             container = self.client.containers.create(
                 image, command, network_mode=network, volumes=volumes or {}, environment=environment or {},
-                user=user, entrypoint=entrypoint, detach=True, mem_limit=mem_limit, labels=labels or {})
+                user=user, entrypoint=entrypoint, detach=True, mem_limit=mem_limit, labels=labels or {},
+                device_requests=devices)
         except docker.errors.ImageNotFound:
             raise BuildFailure(f"image {image} not found", "build it first with `python -m build images/<name>`") \
                 from None
         except docker.errors.APIError as exc:
             raise self._failure("run", exc) from None
         try:
-            container.start()
+            try:
+                container.start()
+            except docker.errors.APIError as exc:
+                explanation = str(getattr(exc, "explanation", None) or exc)
+                raise ContainerStartFailed(f"a container from {image} could not start: {explanation}",
+                                           "check the command and the image's PATH", explanation) from None
             if on_output is not None:
                 self._stream(container, on_output, timeout)
             status = container.wait(timeout=timeout)
             output = container.logs(stdout=True, stderr=True).decode(errors="replace")
-            return RunResult(exit_code=int(status.get("StatusCode", -1)), output=output)
+            stdout = container.logs(stdout=True, stderr=False).decode(errors="replace")
+            return RunResult(exit_code=int(status.get("StatusCode", -1)), output=output, stdout=stdout)
         except requests.exceptions.ReadTimeout:
             container.kill()
             raise BuildFailure(f"container from {image} ran past {timeout}s", "look for a hang in its output") \
