@@ -94,8 +94,11 @@ sys.path.insert(0, "{MOUNT}/src")
 sys.path.append("{MOUNT}/deps")
 sys.argv = ["verify"] + sys.argv[1:]
 try:
-    from verify.cli import main
-    code = main()
+    import runpy
+    # as `python -m verify` runs: __main__ is verify.__main__ (an image's runtime guard, e.g.
+    # ftimage's, knows that process and stands aside in it)
+    runpy.run_module("verify", run_name="__main__", alter_sys=True)
+    code = 0
 except SystemExit:
     raise
 except BaseException as exc:

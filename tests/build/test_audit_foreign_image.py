@@ -154,11 +154,10 @@ def test_the_bootstrap_puts_verify_first_and_carried_modules_behind_the_image_si
     root = tmp_path / "mnt"
     (root / "src" / "verify").mkdir(parents=True)
     (root / "src" / "verify" / "__init__.py").write_text("")
-    (root / "src" / "verify" / "cli.py").write_text(
+    (root / "src" / "verify" / "__main__.py").write_text(
         "import sys, yaml, only_in_payload\n"
-        "def main():\n"
-        "    print(sys.argv[1:], yaml.__file__, only_in_payload.WHERE)\n"
-        "    return 1\n")
+        "print(sys.argv[1:], yaml.__file__, only_in_payload.WHERE, sys.modules['__main__'].__spec__.name)\n"
+        "sys.exit(1)\n")
     (root / "deps" / "yaml").mkdir(parents=True)
     (root / "deps" / "yaml" / "__init__.py").write_text("raise ImportError('the carried copy must lose')")
     (root / "deps" / "only_in_payload.py").write_text("WHERE = 'payload'")
@@ -167,6 +166,7 @@ def test_the_bootstrap_puts_verify_first_and_carried_modules_behind_the_image_si
                           text=True)
     assert proc.returncode == 1, proc.stderr
     assert "['--no-lock', '--json']" in proc.stdout and "payload" in proc.stdout
+    assert proc.stdout.split()[-1] == "verify.__main__"   # as `python -m verify`: a runtime guard stands aside
     assert str(root) not in proc.stdout.split()[2]     # the interpreter's own yaml won
 
 
@@ -174,7 +174,7 @@ def test_the_bootstrap_turns_a_crash_into_its_own_exit_code(tmp_path):
     code = fi.BOOTSTRAP.replace(fi.MOUNT, str(tmp_path))   # no verify there
     proc = subprocess.run([sys.executable, "-I", "-B", "-c", code], capture_output=True, text=True)
     assert proc.returncode == fi.VERIFY_CRASHED
-    assert "verify could not run in this image: ModuleNotFoundError" in proc.stderr
+    assert "verify could not run in this image: ImportError: No module named verify" in proc.stderr
 
 
 # -- the run, against a fake engine ---------------------------------------------------------------

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from families.binding import Resolution
 from verify.checks import extensions as ext
-from verify.checks.dispatch import Resolution, decide_function
+from verify.checks.dispatch import decide_function
 from verify.context import FusedNeed
 from verify.elf_facts import cuda_runtime_major, cxx11_abi_of, read_facts
 from verify.report import Status
