@@ -75,7 +75,12 @@ class Context:
     @property
     def probe_head_dim(self) -> int | None:
         """verify's probes run attention at a head dim the image compiled (a specialised
-        flash-attn rightly refuses any other), else at the family's own."""
+        flash-attn rightly refuses any other); without a lock (--no-lock), at the head dim of the
+        model to be trained when one is given; else at the family's own."""
+        if self.no_lock and self.model_config and self.family:
+            head_dim = self.model_config.get(self.family.attention.config_keys.get("head_dim", "head_dim"))
+            if isinstance(head_dim, int) and not isinstance(head_dim, bool) and 8 <= head_dim <= 1024:
+                return head_dim
         kernel = self.attention_kernel
         if kernel is not None and kernel.specialisation.head_dims:
             return kernel.specialisation.head_dims[0]

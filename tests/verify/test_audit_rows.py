@@ -43,6 +43,15 @@ def test_no_lock_rows_are_skip_with_the_reason_and_nothing_compares_with_a_lock(
     assert rows["environment.cuda_device"].status is Status.FAIL
 
 
+def test_without_a_lock_the_probes_run_at_the_given_model_head_dim(tmp_path):
+    (tmp_path / "config.json").write_text('{"head_dim": 128, "hidden_size": 512, "num_attention_heads": 4}')
+    rows = {r.check: r for r in run_checks("model_fit", device="cpu", no_lock=True, model=tmp_path).results}
+    assert rows["model_fit"].status is Status.SKIP
+    assert f"head dim 128 ({tmp_path}/config.json)" in rows["model_fit"].detail
+    rows = {r.check: r for r in run_checks("model_fit", device="cpu", no_lock=True).results}
+    assert "head dim 256" in rows["model_fit"].detail              # the family's own
+
+
 def test_without_no_lock_a_missing_lock_still_fails():
     report = run_checks("model_fit", device="cpu", lock="/nonexistent/lock.json")
     assert {r.check: r for r in report.results}["lock"].status is Status.FAIL

@@ -104,9 +104,10 @@ def decide_fit(facts: dict[str, Any], spec: Specialisation, param_dtype: str, so
 
 def run(ctx: Context) -> list[CheckResult]:
     if ctx.lock is None and ctx.no_lock:
+        model = f" ({ctx.model_source})" if ctx.model_source else ""
         return [CheckResult("model_fit", Status.SKIP, "no lock (--no-lock, an audit): no record of the head dims, "
                             "dtypes and features the image's kernels were compiled for; the fused_ops rows run "
-                            "them at the probe's head dim")]
+                            f"them at head dim {ctx.probe_head_dim}{model}")]
     specialised = [k for k in (ctx.lock.kernels if ctx.lock else ()) if not k.specialisation.generic]
     if not specialised:
         return [CheckResult("model_fit", Status.SKIP if not (ctx.lock and ctx.lock.kernels) else Status.PASS,
