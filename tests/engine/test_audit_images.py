@@ -1,4 +1,5 @@
-"""Engine tier: `python -m build audit IMAGE` on images this project did not build.
+"""Engine tier: `python -m build audit IMAGE` on images this project did not build (the unit
+tests of the same command: tests/build/test_audit_foreign_image.py).
 
 (a) a plain image: a Dockerfile FROM the bootstrapped Debian base, a venv, pip install of torch
     (CPU) + transformers from the wheels the smoke build cached (copied into the build context;
