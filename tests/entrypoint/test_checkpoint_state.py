@@ -75,7 +75,7 @@ def test_a_valid_checkpoint_reads_back_typed(ckpts):
 
 
 @pytest.mark.parametrize("step, problem", [
-    (-4, "-4 is out of range (>= 0)"),
+    (-4, "-4 is out of range (allowed: an integer >= 0"),
     (10 ** 18, "1000000000000000000, but the folder is step 4"),
     ("abc", "expected an integer, got str"),
     (2.5, "expected an integer, got float"),
@@ -94,8 +94,9 @@ def _update(section: str, **values):
 
 @pytest.mark.parametrize("edit, where, problem", [
     (_set("scheduler.last_epoch", 3), "scheduler.last_epoch", "but the checkpoint is step 4"),
-    (_set("scheduler.base_lrs", [float("nan")]), "scheduler.base_lrs[0]", "nan is not a number"),
-    (_set("scheduler.base_lrs", [float("inf")]), "scheduler.base_lrs", "negative or not finite"),
+    (_set("scheduler.base_lrs", [float("nan")]), "scheduler.base_lrs[0]", "nan is not a finite number"),
+    (_set("scheduler.base_lrs", [float("inf")]), "scheduler.base_lrs[0]", "inf is not a finite number"),
+    (_set("scheduler.base_lrs", [-0.5]), "scheduler.base_lrs", "negative or not finite"),
     (_set("scheduler.base_lrs", []), "scheduler.base_lrs", "is empty"),
     (_set("scheduler.lr_lambdas", [{"__class__": 1}]), "scheduler.lr_lambdas[0]", "not a plain attribute"),
     (_set("scheduler.optimizer", {}), "scheduler.optimizer", "unknown field"),   # LambdaLR setattr()s every key
