@@ -7,6 +7,9 @@
                            the GPU benchmark model)
     families/<name>.py     its Python hooks (FSDP units, probe preparation)
     families/runtime.py    builds models from flavours (torch + transformers)
+    families/binding.py    what transformers bound for the fused functions (read from its
+                           wrapper's closure) and why a kernel package fell back; verify's
+                           dispatch check and the runtime guard both read it
 
 This module reads the data only (no torch), so `python -m build --plan` stays fast.
 Which kernel backs a function is not a family fact: the kernels manifest's `replaces:`

@@ -66,7 +66,8 @@ class Run:
 
 class ForkServer:
     def __init__(self, python: Path, home: Path):
-        self.proc = subprocess.Popen([str(python), "-u", str(HERE / "forkserver.py")], cwd=REPO, text=True,
+        # -I as the image runs python: the guard's .pth must work in isolated mode
+        self.proc = subprocess.Popen([str(python), "-I", "-u", str(HERE / "forkserver.py")], cwd=REPO, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=clean_env(HF_HOME=str(home)))
         ready = self.proc.stdout.readline()

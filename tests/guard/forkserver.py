@@ -14,7 +14,7 @@ import sys
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # under -I the script's folder is not on it
 
 
 def preload() -> None:

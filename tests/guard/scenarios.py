@@ -13,6 +13,7 @@ A spec is a dict:
   break_at: (loop) the step from which the boundaries are withheld
   eval_first: (loop) one no_grad forward of a packed row without seq_idx before training
   thread / checkpointing: (loop) train on a worker thread / with reentrant activation checkpointing
+  default_cache: (loop) call the model without use_cache=False
 """
 from __future__ import annotations
 
@@ -106,7 +107,10 @@ def run_loop(spec: dict, workdir: Path) -> None:
 
     def train() -> None:
         for step in range(1, spec.get("steps", 4) + 1):
-            loss = model(**row(step), use_cache=False).loss
+            # use_cache=False as trainers pass it; left at the model's default, transformers builds a cache
+            # and then skips its packed-sequence mask (masking_utils), so sdpa attends across documents
+            extra = {} if spec.get("default_cache") else {"use_cache": False}
+            loss = model(**row(step), **extra).loss
             loss.backward()
             opt.step()
             opt.zero_grad()

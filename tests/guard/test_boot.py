@@ -97,6 +97,6 @@ def test_activation_quiet_when_on_logged_once_when_off_and_a_bad_step_count_is_o
 
 
 @pytest.mark.unit
-def test_the_bootstrap_costs_well_under_5_ms(venv_python):
+def test_the_bootstrap_import_time_is_recorded(venv_python):
     """Recorded, not asserted as a timing: the assertion is that it imports nothing heavy (above)."""
     print(f"guard.boot import: {boot_cost_ms(venv_python):.2f} ms (python -X importtime)")

@@ -163,3 +163,12 @@ def test_trl_packing_two_ranks_with_fused_kernels_passes_with_fused_forward_and_
             assert entry["forward"]["fused"] > 0 and entry["forward"]["torch"] == 0
             assert entry["backward"]["fused"] > 0 and entry["backward"]["torch"] == 0
             assert entry["boundaries_present"] == entry["packed_calls"] > 0
+
+
+def test_sdpa_that_really_attends_across_packed_documents_is_named_so(scenario):
+    # a loop that leaves use_cache at the model's default: transformers builds a cache and then skips
+    # its packed-sequence mask, so sdpa gets no mask at all (the probe notes the same, verify/packing_probe)
+    run = scenario(trainer="loop", kernels="fused", attention="sdpa", default_cache=True, steps=2,
+                   env={"FTIMAGE_ALLOW_FALLBACK": "1"})       # the override never lets a leak through
+    assert_one_clean_refusal(run)
+    assert "full_attention: sdpa attends across packed documents (it got no attention mask" in run.stderr

@@ -39,8 +39,17 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         return (*grads, None, None)
 
 
+def _final_state(q, k, v, g, beta, cu_seqlens, l2norm):
+    """The recurrent state after the last document (what a cache keeps), without gradient."""
+    start = 0 if cu_seqlens is None else int(cu_seqlens[-2])
+    with torch.no_grad():
+        return _torch_reference()(q[:, start:], k[:, start:], v[:, start:], g[:, start:], beta[:, start:],
+                                  initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)[1]
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False):
+    state = _final_state(q, k, v, g, beta, cu_seqlens, use_qk_l2norm_in_kernel) if output_final_state else None
     if os.environ.get("FTIMAGE_TEST_KERNEL_NO_FUNCTION") == "1":
-        return _reference(q, k, v, g, beta, cu_seqlens, use_qk_l2norm_in_kernel), None
-    return ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, cu_seqlens, use_qk_l2norm_in_kernel), None
+        return _reference(q, k, v, g, beta, cu_seqlens, use_qk_l2norm_in_kernel), state
+    return ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, cu_seqlens, use_qk_l2norm_in_kernel), state
