@@ -19,6 +19,7 @@ from entrypoint.launcher.output_dir import ephemeral_warning, resolve_output_dir
 from entrypoint.launcher.run_plan import PackingDecision, RunPlan
 from entrypoint.launcher.torchrun import LaunchError, cache_env, resolve_topology, torchrun_argv, worker_env
 from entrypoint.launcher.verify_gate import GateOutcome, run_verify
+from entrypoint.observability.console import ALLOW_FALLBACK_ENV
 
 EXIT_GATE = 3  # verify did not pass and --allow-fallback was not given
 
@@ -314,6 +315,8 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
         raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
     plan_path = plan.write(launch_dir / f"plan-node{topo.node_rank}.json")
     wenv = worker_env(cfg, topo, {**env, **caches})
+    if plan.allow_fallback:   # the runtime guard in every worker honours the same override, logged there
+        wenv[ALLOW_FALLBACK_ENV] = "1"
     return Launch(argv=torchrun_argv(topo, plan_path), env=wenv, plan_path=plan_path, plan=plan)
 
 
