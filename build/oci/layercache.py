@@ -51,20 +51,38 @@ def layer_key(name: str, inputs: dict) -> str:
     return hashlib.sha256(json.dumps(document, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
 class LayerCache:
     def __init__(self, root: Path):
         self.root = root
+        self.damaged: list[str] = []    # keys whose blob no longer matched its digest (removed, rebuilt)
 
-    def lookup(self, key: str) -> CachedLayer | None:
+    def lookup(self, key: str, *, check_content: bool = True) -> CachedLayer | None:
+        """The cached layer for `key`, or None. A hit is trusted by its content, not its size: its
+        blob is re-hashed against the digest it was published with (a blob edited in place would
+        otherwise be loaded, and refused by every registry as DIGEST_INVALID); a damaged entry is
+        removed so the caller rebuilds it."""
         folder = self.root / key
         try:
             meta = json.loads((folder / META_NAME).read_text())
             blob = folder / BLOB_NAME
             if blob.stat().st_size != meta["size"]:
                 return None
-            return CachedLayer(key=key, path=blob, reused=True, **meta)
+            layer = CachedLayer(key=key, path=blob, reused=True, **meta)
         except (OSError, ValueError, KeyError, TypeError):
             return None
+        if check_content and _sha256(blob) != layer.digest:
+            self.damaged.append(key)
+            shutil.rmtree(folder, ignore_errors=True)
+            return None
+        return layer
 
     def get_or_make(self, key: str, name: str, created_by: str, mtime: int,
                     make: Callable[[Path], LayerBlob]) -> CachedLayer:
@@ -83,9 +101,9 @@ class LayerCache:
             try:
                 os.rename(staging, self.root / key)
             except OSError:
-                if self.lookup(key) is None:   # not a concurrent build that published the same layer first
+                if self.lookup(key, check_content=False) is None:   # not a concurrent build that published it
                     raise
-            published = self.lookup(key)
+            published = self.lookup(key, check_content=False)
             return replace(published, reused=False) if published is not None else layer
         finally:
             shutil.rmtree(staging, ignore_errors=True)

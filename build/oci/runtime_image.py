@@ -65,6 +65,9 @@ def assemble_runtime_image(plan: BuildPlan, context: RenderedContext, *, wheels:
     app = tree_layer(layers_cache, "app", directory / "app", APP_DIR, app_epoch, f"ftimage app: {APP_DIR} and {GATE}",
                      extra={GATE.lstrip("/"): ((directory / "ftimage-gate").read_bytes(), EXEC_MODE)})
     layers = [*base, venv, lock, app]
+    for key in layers_cache.damaged:
+        log.emit("image", f"WARN: cached layer {key[:12]} no longer matched its digest (edited on disk?): "
+                          "removed and rebuilt")
     layers_cache.record_use(plan.spec.name, [layer.key for layer in layers])
     pruned = layers_cache.prune_unused()
     if pruned:

@@ -149,6 +149,27 @@ def test_a_cache_entry_is_reused_and_a_damaged_one_is_rebuilt(tmp_path):
     assert rebuilt is None    # size disagrees with layer.json: not served
 
 
+def test_a_blob_edited_in_place_with_the_same_size_is_never_reused_and_is_rebuilt(tmp_path):
+    """Size is not content: a byte flipped in a cached blob would be loaded and then refused by
+    every registry (DIGEST_INVALID). The hit is re-hashed, the damaged entry removed and rebuilt."""
+    tree = stage_tree(tmp_path / "t", 0o022)
+    cache = LayerCache(tmp_path / "layers")
+    made = []
+
+    def make(path):
+        made.append(path)
+        return write_layer(path, tree_entries(tree, "x"), EPOCH)
+
+    first = cache.get_or_make("b" * 64, "app", "x", EPOCH, make)
+    data = bytearray(first.path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    first.path.write_bytes(bytes(data))            # same size, other bytes
+    again = cache.get_or_make("b" * 64, "app", "x", EPOCH, make)
+    assert len(made) == 2 and not again.reused and cache.damaged == ["b" * 64]
+    assert again.digest == first.digest and again.path.read_bytes() != bytes(data)
+    assert cache.get_or_make("b" * 64, "app", "x", EPOCH, make).reused and len(made) == 2
+
+
 # ---- the base ---------------------------------------------------------------------------------
 
 def base_tar(path: Path, *, passwd: str = "root:x:0:0:root:/root:/bin/bash\n") -> Path:
