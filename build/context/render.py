@@ -30,6 +30,7 @@ from build.source_date import source_date_epoch
 from build.spec import REPO_ROOT
 from build.templating import render_template
 from build.wheelhouse import Wheel, requirements_lock
+from contracts import folder_guard
 from contracts.lock import LOCK_PATH, BuildLock
 
 # What runs in the image, and nothing else: no tests, no fixtures, no dev tools.
@@ -158,10 +159,20 @@ def _write(plan, directory, wheels, cache, kernel_wheels, base_refs, base_ids, e
 
 
 def copy_app(src: Path, dest: Path) -> None:
-    """The package's runtime files only: no caches, no test modules."""
+    """The package's runtime files only: no caches, no test modules. A symbolic link is copied
+    only when what it points to lies inside the package: a committed link to a file outside the
+    checkout must never ship that file in the image."""
+    root = Path(os.path.realpath(src))
     for path in sorted(src.rglob("*")):
         rel = path.relative_to(src)
-        if not path.is_file() or path.suffix not in APP_SUFFIXES or "__pycache__" in rel.parts:
+        if "__pycache__" in rel.parts:
+            continue
+        real = Path(os.path.realpath(path))
+        if real != root and root not in real.parents:
+            raise folder_guard.UnsafeFolder(
+                f"{path} is a symbolic link to {real}, outside {src}: the image would ship a file from outside "
+                "the checkout", f"replace the link with the file itself, or remove it ({rel})")
+        if not path.is_file() or path.suffix not in APP_SUFFIXES:
             continue
         if path.name.startswith("test_") or path.name == "conftest.py":
             continue

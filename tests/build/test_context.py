@@ -179,3 +179,24 @@ def test_the_image_drops_static_archives_with_their_record_rows():
     text = render_dockerfile(load_plan(REPO_ROOT / "images" / "qwen27b"), BASES, 0)
     assert "drop_installed_files.py" in text and "'*.a'" in text
     assert "-name '*.a'" not in text   # a bare delete leaves RECORD rows that verify then reports missing
+
+
+def test_a_committed_symlink_leaving_the_package_is_refused_not_shipped(tmp_path):
+    """A link in the app's packages to a file outside the checkout must not put that file in the
+    image (nor in --render); a link that stays inside the package is copied as its file."""
+    from build.context.render import copy_app
+    from contracts.folder_guard import UnsafeFolder
+
+    outside = tmp_path / "secret.yaml"
+    outside.write_text("token: do-not-ship\n")
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "real.py").write_text("X = 1\n")
+    (pkg / "sub" / "inside.py").symlink_to(pkg / "real.py")
+    copy_app(pkg, tmp_path / "ok")
+    assert (tmp_path / "ok" / "sub" / "inside.py").read_text() == "X = 1\n"
+    (pkg / "sub" / "leak.yaml").symlink_to(outside)
+    with pytest.raises(UnsafeFolder, match="outside") as info:
+        copy_app(pkg, tmp_path / "refused")
+    assert "sub/leak.yaml" in info.value.fix
+    assert not (tmp_path / "refused" / "sub" / "leak.yaml").exists()
