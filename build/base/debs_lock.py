@@ -341,8 +341,19 @@ def import_debs(locks: list[DebLock], cache: CacheLayout, directory: Path) -> in
     for lock in locks:
         for deb in lock.debs:
             source = directory / deb.basename
+            if source.is_symlink() or (source.exists() and not source.is_file()):
+                raise DebLockErrors([Problem(str(directory), deb.basename, f"{source} is a symbolic link or not a "
+                                             "regular file: an import reads only the files themselves",
+                                             "copy the real .deb files into the export folder (no links)",
+                                             "deb-not-a-file")])
             if not source.is_file():
                 continue
+            if source.stat().st_size != deb.size:   # refused before a byte is copied (a sparse 1 GiB file, say)
+                raise DebLockErrors([Problem(str(directory), deb.basename, f"{source} holds {source.stat().st_size} "
+                                             f"bytes, but the lock pins {deb.size} for {deb.package} {deb.version}",
+                                             "export the bases again (`python -m build bases export DIR`), or re-pin "
+                                             "with `python -m build bases update` and review the change",
+                                             "deb-size")])
             _store(deb, deb_path(cache, deb), str(source), lambda partial, src=source: shutil.copyfile(src, partial))
             imported += 1
     return imported

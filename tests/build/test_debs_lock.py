@@ -150,6 +150,31 @@ def test_export_then_import_rehashes_and_takes_only_locked_debs(tmp_path, mirror
     assert "bash 1.0" in refused.value.render()
 
 
+
+def test_an_import_reads_no_link_and_no_byte_of_a_file_of_the_wrong_size(tmp_path, mirror):
+    """A symlinked .deb (it could point anywhere) is refused, and so is a file whose size is not
+    the lock's, before anything is copied: a 1 GiB sparse stand-in costs nothing to refuse."""
+    root, url = mirror
+    lock = make_lock(root, url, {"base-files": b"one", "bash": b"two"})
+    exported = tmp_path / "export"
+    debs_lock.export_debs([lock], CacheLayout(tmp_path / "cache-a"), exported, QUIET)
+    target = exported / lock.debs[1].basename
+    target.unlink()
+    sparse = tmp_path / "huge.deb"
+    with sparse.open("wb") as fh:
+        fh.truncate(1 << 30)
+    target.symlink_to(sparse)
+    with pytest.raises(debs_lock.DebLockErrors) as refused:
+        debs_lock.import_debs([lock], CacheLayout(tmp_path / "cache-b"), exported)
+    assert "symbolic link" in refused.value.render()
+    target.unlink()
+    with target.open("wb") as fh:
+        fh.truncate(1 << 30)
+    with pytest.raises(debs_lock.DebLockErrors) as refused:
+        debs_lock.import_debs([lock], CacheLayout(tmp_path / "cache-c"), exported)
+    assert "holds 1073741824 bytes" in refused.value.render()
+    assert not [p for p in (tmp_path / "cache-c").rglob("*") if p.is_file() and p.stat().st_size > 1 << 20]
+
 def test_the_committed_base_locks_load(tmp_path):
     """Every lock in images/_bases is valid, and pins the packages its base.yaml asks for."""
     found = 0
