@@ -33,6 +33,9 @@ from contracts.schema import InvalidInput, Problem
 SECOND_BUILD_TZ = "Pacific/Kiritimati"
 SECOND_BUILD_HOSTNAME = "reproducibility-check"
 SHOWN_PATHS = 10
+# what a build copies from the checkout: the app packages, the image and base specs, the patches
+BUILD_COPIES = ("contracts", "families", "verify", "guard", "entrypoint", "images", "build/patches",
+                "kernels_manifest.yaml")
 
 
 class ReproducibleArgs(InvalidInput):
@@ -226,6 +229,14 @@ def _push(result: BuildResult, target) -> None:
             result.pushed_digest = item["aux"]["Digest"]
 
 
+def untracked_build_inputs(repo: Path) -> list[str]:
+    """Files a build of this checkout would copy that git does not track (and does not ignore):
+    the clones the check builds from hold only HEAD, so these are left out of it."""
+    out = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=all", "--",
+                          *BUILD_COPIES], capture_output=True, text=True).stdout
+    return [line[3:] for line in out.splitlines() if line.startswith("?? ")]
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m build verify-reproducible", description=__doc__.split("\n\n")[0])
     p.add_argument("image_dir", type=Path, help="an image folder of this checkout, e.g. images/smoke")
@@ -255,6 +266,12 @@ def main(argv: list[str]) -> int:
     if dirty:
         print("verify-reproducible: note: uncommitted changes are not part of the check; it builds HEAD",
               file=sys.stderr)
+    untracked = untracked_build_inputs(REPO_ROOT)
+    if untracked:
+        shown = ", ".join(untracked[:SHOWN_PATHS]) + (f" and {len(untracked) - SHOWN_PATHS} more"
+                                                     if len(untracked) > SHOWN_PATHS else "")
+        print(f"verify-reproducible: note: {len(untracked)} untracked file(s) a build of this checkout would copy "
+              f"are not part of the check (the clones hold only HEAD): {shown}", file=sys.stderr)
     work = args.work or Path(tempfile.mkdtemp(prefix="ftimage-repro-"))
     work.mkdir(parents=True, exist_ok=True)
     rel = str(image_dir.relative_to(REPO_ROOT))

@@ -219,3 +219,17 @@ def test_concurrent_first_builds_into_one_fresh_out_folder_are_never_refused(tmp
     assert sorted(results.get(timeout=5) for _ in workers) == ["ok"] * 4
     leftovers = [p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".tmp-")]
     assert leftovers == []
+
+
+def test_verify_reproducible_names_untracked_files_a_build_would_copy(tmp_path):
+    """Its clones hold only HEAD: an untracked module in an app package would ship in a build of
+    this checkout but is not part of the check, so it is named; files a build never copies are not."""
+    import subprocess
+
+    from build.audit.reproducible import untracked_build_inputs
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "entrypoint").mkdir()
+    (tmp_path / "entrypoint" / "new_module.py").write_text("X = 1\n")
+    (tmp_path / "notes.txt").write_text("not copied by a build\n")
+    assert untracked_build_inputs(tmp_path) == ["entrypoint/new_module.py"]
