@@ -9,7 +9,9 @@ site-packages. The modules: README.md beside this file.
 
 APP_PTH = "ftimage-app.pth"          # the build's .pth that puts the app dir (guard/ among it) on sys.path
 PTH_NAME = "ftimage-guard.pth"       # ours; site processes .pth files in sorted order, so it runs after APP_PTH
-PTH_LINE = b"import guard.boot\n"    # a .pth line starting with `import` is executed at interpreter start
+# A .pth line starting with `import` is executed at interpreter start. Importing guard.boot alone
+# installs nothing (a test run that imports it must stay unguarded); the .pth line installs it.
+PTH_LINE = b"import guard.boot; guard.boot.install()\n"
 
 
 def install_files() -> dict[str, bytes]:

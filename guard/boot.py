@@ -1,5 +1,5 @@
-"""The bootstrap every Python process of the image runs (`import guard.boot`, from a .pth line in
-the venv's site-packages; site processes those under `python -I` too).
+"""The bootstrap every Python process of the image runs (`import guard.boot; guard.boot.install()`,
+from a .pth line in the venv's site-packages; site processes those under `python -I` too).
 
 It only watches: a `sys.meta_path` finder notices when the family's modeling module (e.g.
 `transformers.models.qwen3_5.modeling_qwen3_5`) has finished executing and hands the module to
@@ -103,6 +103,3 @@ def install() -> ModelingWatcher | None:
     watcher = ModelingWatcher(modules)
     sys.meta_path.insert(0, watcher)
     return watcher
-
-
-install()

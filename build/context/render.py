@@ -57,7 +57,7 @@ def guard_pth_lines() -> list[tuple[str, str]]:
     out = []
     for name, data in sorted(guard.install_files().items()):
         line = data.decode().rstrip("\n")
-        if not re.fullmatch(r"[a-z0-9-]+\.pth", name) or not re.fullmatch(r"import [a-z_.]+", line):
+        if not re.fullmatch(r"[a-z0-9-]+\.pth", name) or not re.fullmatch(r"import [a-z_.]+(; [a-z_.]+\(\))?", line):
             raise ValueError(f"the guard's .pth {name!r} is not one plain import line")
         out.append((name, line))
     return out

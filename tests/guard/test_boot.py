@@ -18,14 +18,15 @@ HEAVY = ("torch", "transformers", "yaml", "re", "pathlib", "families", "contract
 @pytest.mark.unit
 def test_install_files_is_one_pth_line_processed_after_the_app_pth():
     files = guard.install_files()
-    assert list(files) == [guard.PTH_NAME] and files[guard.PTH_NAME] == b"import guard.boot\n"
+    assert list(files) == [guard.PTH_NAME] and files[guard.PTH_NAME] == b"import guard.boot; guard.boot.install()\n"
     # site processes a folder's .pth files in sorted order: the app dir is on sys.path first
     assert sorted([guard.APP_PTH, *files]) == [guard.APP_PTH, *files]
 
 
 @pytest.mark.unit
 def test_the_bootstrap_imports_nothing_heavy():
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); before = set(sys.modules); import guard.boot; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); before = set(sys.modules); "
+            "import guard.boot; guard.boot.install(); "
             "added = sorted(set(sys.modules) - before); import json; print(json.dumps(added))")
     proc = subprocess.run([sys.executable, "-S", "-c", code, str(REPO)], capture_output=True, text=True, check=True)
     added = json.loads(proc.stdout)
@@ -100,3 +101,13 @@ def test_activation_quiet_when_on_logged_once_when_off_and_a_bad_step_count_is_o
 def test_the_bootstrap_import_time_is_recorded(venv_python):
     """Recorded, not asserted as a timing: the assertion is that it imports nothing heavy (above)."""
     print(f"guard.boot import: {boot_cost_ms(venv_python):.2f} ms (python -X importtime)")
+
+
+@pytest.mark.unit
+def test_importing_the_bootstrap_installs_nothing():
+    """Only the .pth line installs the watcher: a process (a test run, a tool) that imports the
+    module stays unguarded."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import guard.boot; "
+            "print(any(type(f).__name__ == 'ModelingWatcher' for f in sys.meta_path))")
+    proc = subprocess.run([sys.executable, "-S", "-c", code, str(REPO)], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "False"
