@@ -324,17 +324,18 @@ def unpublished(cfg: FinetuneConfig, resumed: dict) -> list[str]:
     """What a run whose final checkpoint is saved has not published yet: a run is complete only
     with the final checkpoint, the HF export (checkpoint.export) and a run report that says so."""
     from contracts.atomic import TMP_PREFIX
-    from contracts.folder_guard import is_real_dir, is_real_file
-    from entrypoint.checkpoint.dcp import read_json_nofollow
+    from contracts.folder_guard import is_real_dir, is_real_file, read_bytes_nofollow
 
     out, missing = Path(cfg.output.dir), []
     if cfg.checkpoint.export and not is_real_file(out / "final" / "config.json"):
         missing.append("final/ (the HF export) was never published")
     elif cfg.checkpoint.export and is_real_dir(out / f"{TMP_PREFIX}final"):   # the export replaces it
         missing.append(f"an export was cut short ({TMP_PREFIX}final)")
-    try:
-        report = read_json_nofollow(out / "run_report.json")
-    except (OSError, ValueError):
+    try:   # never through a planted symlink, and bounded: the report is this run's own small file
+        report = json.loads(read_bytes_nofollow(out / "run_report.json", 64 << 20))
+    except (OSError, ValueError, RecursionError):
+        report = {}
+    if not isinstance(report, dict):
         report = {}
     if report.get("status") not in ("completed", "early_stopped") or report.get("final_step") != resumed["step"]:
         missing.append("run_report.json does not say it completed")
