@@ -190,7 +190,7 @@ class Trainer:
         if self.plan.action == "finish":   # the final checkpoint: no more steps; its outcome and last loss
             from entrypoint.observability.run_summary import logged_loss
 
-            self.early_stopped, self.last_loss = bool(state.get("early_stopped")), logged_loss(
+            self.early_stopped, self.last_loss = bool(state.early_stopped), logged_loss(
                 self.out / "metrics.jsonl", step)
         if self.rank == 0:
             from entrypoint.observability.trackers import drop_records_after
