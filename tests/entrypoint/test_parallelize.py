@@ -72,17 +72,19 @@ def test_checkpoint_round_trip_restores_model_and_optimizer(fixture_dir, process
         opt.step()
         opt.zero_grad()
     ckpt = Checkpointer(tmp_path / "ckpt", keep=1, rank=0, world_size=1)
-    ckpt.save(2, model, opt, {"step": 2})
-    ckpt.save(3, model, opt, {"step": 3})
+    from tests.fixtures.checkpoints import trainer_state
+
+    ckpt.save(2, model, opt, trainer_state(2))     # a whole trainer state: the load validates every field
+    ckpt.save(3, model, opt, trainer_state(3))
     assert [p.name for p in list_checkpoints(tmp_path / "ckpt")] == ["step-00000003"]  # keep=1 pruned step 2
     after_save = torch.rand(3)  # what the RNG yields right after the save
 
     fresh, fresh_opt = build()
     torch.manual_seed(999)
     state = ckpt.load(tmp_path / "ckpt" / "step-00000003", fresh, fresh_opt)
-    assert state["step"] == 3
+    assert state.step == 3   # the typed, validated trainer state
     # the size manifest a resume checks before trusting the directory
-    assert {".metadata", "rng-rank0.json"} <= set(state["files"]) and all(v > 0 for v in state["files"].values())
+    assert {".metadata", "rng-rank0.json"} <= set(state.files) and all(v > 0 for v in state.files.values())
     assert torch.equal(torch.rand(3), after_save)  # RNG restored
     for (n, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
         torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=0, atol=0, msg=n)
