@@ -91,7 +91,7 @@ def test_a_checkpoint_whose_state_lies_is_refused_or_skipped_never_trained_from(
                      "checkpoint.allow_changed=[train.max_steps]", "launch.nproc_per_node=1", *common)
     log = r.stdout + r.stderr
     assert r.returncode == 2, log[-3000:]
-    assert "step-00000004 is damaged: trainer_state.json: step: -4 is out of range (>= 0)" in log
+    assert "step-00000004 is damaged: trainer_state.json: step: -4 is out of range (allowed: an integer >= 0" in log
     assert "fix: resume=auto skips it" in log and "Traceback" not in log and "launching:" not in log
 
     r = run_finetune(fixture_dir, out, "train.max_steps=6", "checkpoint.allow_changed=[train.max_steps]",
