@@ -41,7 +41,7 @@ cat /tmp/report.json
 
 
 def cache_root() -> Path:
-    """The cache the smoke build filled (its subprocess saw the session's environment)."""
+    """The cache the smoke build filled (its subprocess saw this test run's environment)."""
     if os.environ.get("FTIMAGE_CACHE"):
         return Path(os.environ["FTIMAGE_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ftimage"

@@ -29,7 +29,7 @@ def test_two_fresh_clones_under_other_conditions_build_and_push_one_image(engine
     from build.cache import default_cache_root
 
     work = tmp_path / "work"
-    # the session's smoke build has downloaded the pinned wheels and .debs once; both builds share
+    # this test run's smoke build has downloaded the pinned wheels and .debs once; both builds share
     # those bytes and make everything else (resolution, base, layers, image) from scratch
     proc = run_build_cli("verify-reproducible", "images/smoke", "--work", str(work), "--json",
                          "--inputs-from", str(default_cache_root()),
