@@ -167,16 +167,8 @@ class Guard:
         out = original(*args, **kwargs)
         rec.calls["recompute" if recompute else "forward_fused" if call.fused else "forward_torch"] += 1
         rec.forward_impls.add(call.bound)
-        if torch.is_grad_enabled():
-            backward = graph.inspect_call(out, (args, kwargs))
-            if backward.root is not None:
-                if call.fused and backward.kernel is None:
-                    self.violate([rules.backward_violation(call, backward.describe)])
-                node, key = ((backward.kernel, "backward_fused") if backward.kernel is not None
-                             else (backward.root, "backward_torch"))
-                graph.count_backward(node, rec.calls, key)
-                rec.backward_impls.add(backward.describe if backward.kernel is not None
-                                       else f"torch autograd ops ({backward.root_name})")
+        self._count_backward(rec, out, args, kwargs, call.fused,
+                             lambda described: rules.backward_violation(call, described))
         return out
 
     # -- the attention function a full-attention layer got from ALL_ATTENTION_FUNCTIONS -------------------
@@ -208,17 +200,25 @@ class Guard:
         fused = implementation == wanted
         rec.calls["recompute" if recompute else "forward_fused" if fused else "forward_torch"] += 1
         rec.forward_impls.add(f"{implementation}: {call.function}")
-        if torch.is_grad_enabled():
-            backward = graph.inspect_call(out, (args, kwargs))
-            if backward.root is not None:
-                if fused and backward.kernel is None:
-                    self.violate([rules.attention_backward_violation(call, backward.describe)])
-                node, key = ((backward.kernel, "backward_fused") if backward.kernel is not None
-                             else (backward.root, "backward_torch"))
-                graph.count_backward(node, rec.calls, key)
-                rec.backward_impls.add(backward.describe if backward.kernel is not None
-                                       else f"torch autograd ops ({backward.root_name})")
+        self._count_backward(rec, out, args, kwargs, fused,
+                             lambda described: rules.attention_backward_violation(call, described))
         return out
+
+    def _count_backward(self, rec: FunctionRecord, out, args, kwargs, fused: bool, violation) -> None:
+        """Which backward this call recorded (the kernel's autograd Function or aten ops), counted
+        when it runs; a fused forward whose backward is torch's is a violation."""
+        if not torch.is_grad_enabled():
+            return
+        backward = graph.inspect_call(out, (args, kwargs))
+        if backward.root is None:
+            return
+        if fused and backward.kernel is None:
+            self.violate([violation(backward.describe)])
+        node, key = ((backward.kernel, "backward_fused") if backward.kernel is not None
+                     else (backward.root, "backward_torch"))
+        graph.count_backward(node, rec.calls, key)
+        rec.backward_impls.add(backward.describe if backward.kernel is not None
+                               else f"torch autograd ops ({backward.root_name})")
 
     @staticmethod
     def _separates(batch: batch_mod.Batch, mask) -> tuple[bool | None, str]:
