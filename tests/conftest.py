@@ -1,4 +1,11 @@
-"""Session-wide fixtures shared by every tier: the engine, and the smoke image built once."""
+"""Session-wide fixtures shared by every tier: the engine, and the smoke image built once.
+
+The suite runs on several pytest-xdist workers (`-n` in pyproject.toml). Tests that share one
+engine-wide thing run on one worker, in order: the smoke image (built once, retagged and
+pruned by some tests) and everything in the engine tier form the group "engine"; the kernel
+tier (its builder image and its one long compile) forms the group "kernel". Every other test
+goes to whichever worker is free. The two groups are queued first, so the longest chains start
+at once instead of after the quick tests."""
 from __future__ import annotations
 
 import json
@@ -8,6 +15,30 @@ import sys
 from pathlib import Path
 
 import pytest
+
+# The session fixtures whose state is engine-wide: a test that uses one runs in the engine group.
+ENGINE_WIDE_FIXTURES = frozenset({"engine", "smoke_build", "smoke_image"})
+
+
+def xdist_group_of(item: pytest.Item) -> str | None:
+    """The worker group a test must share, or None when any worker may run it."""
+    if item.get_closest_marker("kernel") and not {"smoke_build", "smoke_image"} & set(item.fixturenames):
+        return "kernel"
+    if item.get_closest_marker("engine") or ENGINE_WIDE_FIXTURES & set(item.fixturenames):
+        return "engine"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    groups = {}
+    for item in items:
+        groups[item.nodeid] = group = xdist_group_of(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+    # the long, ordered chains first (the kernel compile is the longest), then the rest as collected
+    first = {"kernel": 0, "engine": 1}
+    items.sort(key=lambda item: first.get(groups[item.nodeid], 2))
+
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

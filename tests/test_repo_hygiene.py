@@ -271,7 +271,8 @@ def test_ruff_passes_on_the_whole_tree_including_build():
 
 def test_plain_pytest_collects_what_python_m_pytest_collects():
     def collected(cmd):
-        proc = subprocess.run([*cmd, "--collect-only", "-q", "-p", "no:cacheprovider", "tests/build", "tests/verify"],
+        proc = subprocess.run([*cmd, "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/build",
+                               "tests/verify"],
                               cwd=REPO, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin",
                                                                              "HOME": str(Path.home())})
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -60,8 +60,19 @@ def ensure_base(ref: BaseRef, engine: Engine, cache: CacheLayout, log: EventLog)
 
 
 def bootstrap(base: BootstrapBase, engine: Engine, cache: CacheLayout, log: EventLog) -> BaseImage:
-    tag = base_tag(base)
+    """The base's image, bootstrapped unless the engine holds it. Two builds on one host that need
+    the same base at once bootstrap it once: the second waits on a lock and then reuses it."""
+    from filelock import FileLock
+
     spec_sha = digest(base.spec_dict())
+    cache.root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache.root / f".base-{spec_sha[:16]}.lock")):
+        return _bootstrap_unlocked(base, spec_sha, engine, cache, log)
+
+
+def _bootstrap_unlocked(base: BootstrapBase, spec_sha: str, engine: Engine, cache: CacheLayout,
+                        log: EventLog) -> BaseImage:
+    tag = base_tag(base)
     existing = engine.image(tag)
     if existing and (existing.get("Config", {}).get("Labels") or {}).get(SPEC_LABEL) == spec_sha:
         log.emit("bootstrap", f"reusing base {tag}", id=existing["Id"][:19])

@@ -10,12 +10,14 @@ upload), so a tampered entry fails there, loudly.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -108,6 +110,15 @@ class LayerCache:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
+    @contextmanager
+    def assembling(self):
+        """Held while a build looks up, makes and records its layers: an entry made by one build
+        but not yet recorded as used must not be pruned by another build's prune_unused."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".assembling.lock", "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            yield
+
     def record_use(self, image: str, keys: list[str]) -> None:
         """Remember which entries the newest build of `image` uses (see prune_unused)."""
         from contracts import atomic
@@ -117,6 +128,16 @@ class LayerCache:
     def prune_unused(self) -> list[str]:
         """Remove entries that no image's newest build uses: what a build superseded (an old app
         layer, the venv of a changed wheel set) would otherwise fill the disk, gigabytes a time."""
+        if not self.root.is_dir():
+            return []
+        with open(self.root / ".assembling.lock", "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return []     # another build is assembling: its new entries are not recorded yet
+            return self._prune_unused_locked()
+
+    def _prune_unused_locked(self) -> list[str]:
         used: set[str] = set()
         for record in sorted((self.root / "used-by").glob("*.json")) if self.root.is_dir() else []:
             try:

@@ -52,23 +52,25 @@ def assemble_runtime_image(plan: BuildPlan, context: RenderedContext, *, wheels:
     layers_cache.sweep()
     base_info = engine.image(runtime_base) or {}
     user = TrainingUser(plan.spec.user.name, plan.spec.user.uid, plan.spec.gid)
-    with cache.scratch_dir("assemble") as scratch:
-        base = base_layers(engine, layers_cache, Path(scratch), runtime_base, user)
-        venv = venv_layer(engine=engine, cache=layers_cache, scratch=Path(scratch), wheels=wheels, venv=VENV,
-                          app_dir=APP_DIR, python_minor=plan.toolchain.python, base_ref=runtime_base,
-                          base_diff_ids=[layer.diff_id for layer in base], log=log, wheels_time=wheels_time)
-    directory = context.directory
-    lock = file_layer(layers_cache, "lock", {
-        f"{str(LOCK_PATH.parent).lstrip('/')}/{name}": ((directory / name).read_bytes(), FILE_MODE)
-        for name in ("build.lock.json", "sbom.cdx.json")}, lock_epoch(wheels_time, base_info),
-        f"ftimage lock: {LOCK_PATH} and the SBOM")
-    app = tree_layer(layers_cache, "app", directory / "app", APP_DIR, app_epoch, f"ftimage app: {APP_DIR} and {GATE}",
-                     extra={GATE.lstrip("/"): ((directory / "ftimage-gate").read_bytes(), EXEC_MODE)})
-    layers = [*base, venv, lock, app]
-    for key in layers_cache.damaged:
-        log.emit("image", f"WARN: cached layer {key[:12]} no longer matched its digest (edited on disk?): "
-                          "removed and rebuilt")
-    layers_cache.record_use(plan.spec.name, [layer.key for layer in layers])
+    with layers_cache.assembling():
+        with cache.scratch_dir("assemble") as scratch:
+            base = base_layers(engine, layers_cache, Path(scratch), runtime_base, user)
+            venv = venv_layer(engine=engine, cache=layers_cache, scratch=Path(scratch), wheels=wheels, venv=VENV,
+                              app_dir=APP_DIR, python_minor=plan.toolchain.python, base_ref=runtime_base,
+                              base_diff_ids=[layer.diff_id for layer in base], log=log, wheels_time=wheels_time)
+        directory = context.directory
+        lock = file_layer(layers_cache, "lock", {
+            f"{str(LOCK_PATH.parent).lstrip('/')}/{name}": ((directory / name).read_bytes(), FILE_MODE)
+            for name in ("build.lock.json", "sbom.cdx.json")}, lock_epoch(wheels_time, base_info),
+            f"ftimage lock: {LOCK_PATH} and the SBOM")
+        app = tree_layer(layers_cache, "app", directory / "app", APP_DIR, app_epoch,
+                         f"ftimage app: {APP_DIR} and {GATE}",
+                         extra={GATE.lstrip("/"): ((directory / "ftimage-gate").read_bytes(), EXEC_MODE)})
+        layers = [*base, venv, lock, app]
+        for key in layers_cache.damaged:
+            log.emit("image", f"WARN: cached layer {key[:12]} no longer matched its digest (edited on disk?): "
+                              "removed and rebuilt")
+        layers_cache.record_use(plan.spec.name, [layer.key for layer in layers])
     pruned = layers_cache.prune_unused()
     if pruned:
         log.emit("image", f"removed {len(pruned)} superseded layer(s) from the layer cache")

@@ -131,6 +131,23 @@ def test_a_refused_tree_leaves_nothing_in_the_layer_cache(tmp_path):
     assert list((tmp_path / "layers").iterdir()) == []
 
 
+def test_layers_another_build_is_still_assembling_survive_a_prune(tmp_path):
+    """Two builds on one host: one prunes what no image's newest build uses while the other has
+    made a layer it has not recorded yet. That layer must survive; once recorded, only the
+    superseded entry goes."""
+    tree = stage_tree(tmp_path / "t", 0o022)
+    pruning, assembling = LayerCache(tmp_path / "layers"), LayerCache(tmp_path / "layers")
+    make = lambda path: write_layer(path, tree_entries(tree, "x"), EPOCH)  # noqa: E731
+    superseded = pruning.get_or_make("b" * 64, "app", "x", EPOCH, make)
+    pruning.record_use("smoke", [])
+    with assembling.assembling():
+        fresh = assembling.get_or_make("a" * 64, "app", "x", EPOCH, make)
+        assert pruning.prune_unused() == [] and fresh.path.is_file() and superseded.path.is_file()
+        assembling.record_use("kernel-smoke", ["a" * 64])
+    assert pruning.prune_unused() == ["b" * 64]
+    assert fresh.path.is_file() and not superseded.path.exists()
+
+
 def test_a_cache_entry_is_reused_and_a_damaged_one_is_rebuilt(tmp_path):
     tree = stage_tree(tmp_path / "t", 0o022)
     cache = LayerCache(tmp_path / "layers")
