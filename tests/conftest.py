@@ -29,6 +29,7 @@ def xdist_group_of(item: pytest.Item) -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist's own hook, which reads the groups into node IDs
 def pytest_collection_modifyitems(config, items):
     groups = {}
     for item in items:
