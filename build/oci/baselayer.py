@@ -122,10 +122,10 @@ def transform_layers(layers: list, user: TrainingUser, epoch: int, outputs: list
                         writer.add_member(member)
             if last:
                 _add_user(writer, user, lines, captured, written, skel)
+            blobs.append(writer.close())
         except BaseException:
             writer.abort()
             raise
-        blobs.append(writer.close())
     return blobs
 
 

@@ -23,7 +23,9 @@ from pathlib import Path
 
 from build.oci.tarlayer import LayerBlob
 
-LAYER_FORMAT = 1       # bump when the way layers are written changes, so old entries are not reused
+# Bump when the way layers are written changes, so old entries are not reused. 2: gzip in
+# independent 1 MiB pieces (blockgzip), so a layer's blob bytes differ from format 1's.
+LAYER_FORMAT = 2
 BLOB_NAME, META_NAME = "layer.tar.gz", "layer.json"
 
 
