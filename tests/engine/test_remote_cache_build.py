@@ -40,9 +40,12 @@ def test_a_second_runner_with_an_empty_cache_takes_every_layer_from_the_registry
     try:
         private, public = write_p256_pair(tmp_path)
         repository = f"{registry.address}/team/ftimage-cache"
+        # one SOURCE_DATE_EPOCH for both runners, as two CI runners at one commit have
+        epoch = {"SOURCE_DATE_EPOCH": subprocess.run(["git", "log", "-1", "--format=%ct"], capture_output=True,
+                                                     text=True, check=True).stdout.strip()}
         first = run_build_cli("images/smoke", "--json", "--out", str(tmp_path / "out-a"),
                               "--cache", str(fresh_cache(tmp_path / "cache-a")),
-                              "--cache-registry", repository, "--sign", str(private))
+                              "--cache-registry", repository, "--sign", str(private), env=epoch)
         assert first.returncode == 0, first.stderr[-4000:]
         a = json.loads(first.stdout)
         layers = [name for name in a["cache"] if name.startswith("layer ")]
@@ -50,7 +53,7 @@ def test_a_second_runner_with_an_empty_cache_takes_every_layer_from_the_registry
 
         second = run_build_cli("images/smoke", "--json", "--out", str(tmp_path / "out-b"),
                                "--cache", str(fresh_cache(tmp_path / "cache-b")),
-                               "--cache-registry", repository, "--cache-key", str(public))
+                               "--cache-registry", repository, "--cache-key", str(public), env=epoch)
         assert second.returncode == 0, second.stderr[-4000:]
         b = json.loads(second.stdout)
         assert {name: b["cache"][name] for name in layers} == {name: "hit registry" for name in layers}
