@@ -6,7 +6,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from build import kernels as kernel_stage
 from build.base.bootstrap import ensure_base
@@ -22,6 +22,9 @@ from build.source_date import source_date_epoch
 from build.wheelhouse import fill_wheelhouse
 from contracts import atomic, folder_guard
 from contracts.events import EventLog
+
+if TYPE_CHECKING:   # the remote cache is made by the CLI; the pipeline only calls it
+    from build.remote_cache import RemoteCache
 
 CONTEXT_LABEL = "io.ftimage.context.sha256"
 LOCK_LABEL = "io.ftimage.lock.sha256"
@@ -45,6 +48,7 @@ class BuildReport:
     steps: list[tuple[str, float]] = field(default_factory=list)
     pruned: list[str] = field(default_factory=list)
     pushed: dict[str, str] = field(default_factory=dict)    # filled by `--push`: repository, digest, reference
+    remote_cache: dict[str, Any] = field(default_factory=dict)   # with --cache-registry: trust, hits, pushes
     builder: str = "oci"            # "oci": assembled by build/oci; "dockerfile": the classic builder
     manifest_digest: str = ""       # oci: the OCI manifest's sha256, which a push preserves
     diff_ids: list[str] = field(default_factory=list)
@@ -66,6 +70,12 @@ class BuildReport:
             lines += ["", f"pruned superseded images: {', '.join(self.pruned)}"]
         if self.pushed:
             lines += ["", f"pushed {self.pushed['reference']}"]
+        if self.remote_cache:
+            rc = self.remote_cache
+            lines += ["", f"remote cache {rc['repository']}: {rc['hits']} hit(s), "
+                      f"{rc['bytes_pulled'] / 2 ** 20:.1f} MiB pulled, {rc['pushed']} pushed, trust: {rc['trust']}"
+                      + (f"; UNAVAILABLE: {rc['unavailable']}" if rc["unavailable"] else "")]
+            lines += [f"  refused {tag}: {why}" for tag, why in rc["refused"].items()]
         return "\n".join(lines)
 
 
@@ -91,7 +101,10 @@ BUILDERS = ("oci", "dockerfile")
 
 
 def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: EventLog,
-                engine: Engine | None = None, force: bool = False, builder: str = "oci") -> BuildReport:
+                engine: Engine | None = None, force: bool = False, builder: str = "oci",
+                remote: RemoteCache | None = None) -> BuildReport:
+    """`remote`: the remote cache, read for what the local cache lacks; what this build used is
+    queued on it, for the caller to push (`remote.flush`) after any image push."""
     started = time.monotonic()
     folder_guard.claim(out_dir, folder_guard.OUTPUT_MARKER, what="output folder", option="--out", force=force)
     timer = PhaseTimer(log)
@@ -109,9 +122,12 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
         report.cache["wheelhouse"] = f"{'hit' if resolution.cache_hit else 'miss'} ({len(resolution.wheels)} wheels)"
     with timer("kernels"):
         provided = kernel_stage.provide_kernels(plan, cache=cache, engine=engine, log=log,
-                                                builder_base=bases["builder"].ref)
+                                                builder_base=bases["builder"].ref,
+                                                remote=remote.fetch_kernel if remote else None)
         for name, state in provided.states.items():
             report.cache[f"kernel:{name}"] = state
+        for entry in provided.entries.values() if remote else ():
+            remote.queue_kernel(entry)
     with timer("render"):
         locked_wheels = [LockedWheel(w.filename, w.sha256, cache.wheel_path(w.sha256, w.filename))
                          for w in resolution.wheels]
@@ -137,7 +153,10 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
                                        free_layer_cache=lambda: prune_builder_stages(engine, plan, keep=0), log=log)
             assembly = assemble_runtime_image(plan, context, wheels=locked_wheels, runtime_base=bases["runtime"].ref,
                                               engine=engine, cache=cache, out_dir=out_dir, app_epoch=app_epoch,
-                                              wheels_time=wheels_time, labels=labels, log=log)
+                                              wheels_time=wheels_time, labels=labels, log=log,
+                                              remote=remote.fetch_layer if remote else None)
+            for layer in assembly.layers if remote else ():
+                remote.queue_layer(layer)
             image = assembly.image
             report.image_id = image.image_id
             report.size_bytes = int((engine.image(image.image_id) or {}).get("Size", 0))
@@ -145,7 +164,7 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
             report.layout, report.layers_sent = str(assembly.layout), assembly.layers_sent
             report.cache.update({f"layer {name}": state for name, state in assembly.states.items()})
             report.cache["image"] = "hit" if assembly.layers_sent == 0 and \
-                all(state == "hit" for state in assembly.states.values()) else "miss"
+                all(state == "hit local" for state in assembly.states.values()) else "miss"
     else:
         _classic_build(plan, engine, context, labels, report, log, timer)
     with timer("check"):
@@ -154,6 +173,8 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
         report.pruned += prune_superseded(engine, plan, report.image_id, log)
     report.phase_seconds = {k: round(v, 2) for k, v in timer.seconds.items()}
     report.total_seconds = round(time.monotonic() - started, 2)
+    if remote is not None:
+        report.remote_cache = remote.record()
     atomic.write_text(out_dir / "build-report.json", report.to_json())
     return report
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from build.engine import Engine
 from build.errors import BuildFailure
 from build.kernels.compile import compile_kernel, parallel_jobs
 from build.kernels.pinned_sources import fetch_pinned
-from build.kernels.store import KernelStore
+from build.kernels.store import KernelEntry, KernelStore
 from build.kernels.wheel import KernelWheel
 from build.kernels.wheel_checks import (
     CHECK_SCRIPT,
@@ -36,14 +37,21 @@ __all__ = ["KernelWheel", "ProvidedKernels", "provide_kernels", "expected_costs"
            "check_wheel_in_image"]
 
 
+# asked for a compiled kernel the local cache lacks (the remote cache, build/remote_cache/): it
+# publishes the entry into the store (whose lock for that key the caller holds) and returns it
+RemoteFetch = Callable[[KernelStore, str], "KernelEntry | None"]
+
+
 @dataclass
 class ProvidedKernels:
     wheels: tuple[KernelWheel, ...] = ()
-    states: dict[str, str] = field(default_factory=dict)   # kernel -> "hit" / "miss (compiled in Ns)" / ...
+    states: dict[str, str] = field(default_factory=dict)   # kernel -> "hit local" / "miss (compiled in Ns)" / ...
+    entries: dict[str, KernelEntry] = field(default_factory=dict)   # compiled kernels' cache entries, by key
 
 
 def provide_kernels(plan: BuildPlan, *, cache: CacheLayout, engine: Engine, log: EventLog,
-                    builder_base: str) -> ProvidedKernels:
+                    builder_base: str | Callable[[], str], remote: RemoteFetch | None = None) -> ProvidedKernels:
+    """`builder_base`: its ref, or what makes it (called only when a kernel must be compiled)."""
     provided = ProvidedKernels()
     store = KernelStore(cache)
     out: list[KernelWheel] = []
@@ -57,26 +65,37 @@ def provide_kernels(plan: BuildPlan, *, cache: CacheLayout, engine: Engine, log:
             continue
         with store.lock(kernel.key):
             state = store.state(kernel.key)
+            fetched = None
             if state.entry:
                 log.emit("kernels", f"cache hit: {kernel.name} {kernel.version}", step=kernel.name,
                          key=kernel.key[:16])
-                provided.states[kernel.name] = "hit"
+                provided.states[kernel.name] = "hit local"
                 entry = state.entry
+            elif remote is not None and (fetched := remote(store, kernel.key)) is not None:
+                log.emit("kernels", f"remote cache hit: {kernel.name} {kernel.version}", step=kernel.name,
+                         key=kernel.key[:16])
+                provided.states[kernel.name] = "hit registry"
+                entry = fetched
             else:
                 if state.state == "corrupt":
                     log.emit("kernels", f"cached entry {kernel.key[:16]} is corrupt ({state.detail}); "
                              "rebuilding it", step=kernel.name)
+                base = builder_base if isinstance(builder_base, str) else builder_base()
                 entry = compile_kernel(kernel, plan, cache=cache, engine=engine, log=log,
-                                       builder_base=builder_base, store=store)
+                                       builder_base=base, store=store)
                 provided.states[kernel.name] = f"miss (compiled in {entry.meta['duration_s']:.0f}s)"
+            provided.entries[kernel.key] = entry
         out.append(KernelWheel(name=kernel.name, key=kernel.key, filename=entry.meta["wheel"],
                                sha256=entry.sha256, path=entry.wheel, archs=tuple(entry.meta["archs"]["sass"])))
     provided.wheels = tuple(out)
     return provided
 
 
-def expected_costs(plan: BuildPlan, cache: CacheLayout) -> dict[str, tuple[str, str]]:
-    """For `--plan`: per kernel key, (cache state, expected compile cost on this host)."""
+def expected_costs(plan: BuildPlan, cache: CacheLayout,
+                   remote_state: Callable[[str], str] | None = None) -> dict[str, tuple[str, str]]:
+    """For `--plan`: per kernel key, (cache state, expected compile cost on this host).
+    `remote_state`: the remote cache's answer for a key the local cache lacks ("hit registry"
+    or why not)."""
     store = KernelStore(cache)
     states = {}
     for kernel in plan.kernels:
@@ -85,9 +104,13 @@ def expected_costs(plan: BuildPlan, cache: CacheLayout) -> dict[str, tuple[str, 
             continue
         state = store.state(kernel.key)
         if state.entry:
-            states[kernel.key] = ("hit", "0s (cached)")
+            states[kernel.key] = ("hit local", "0s (cached)")
             continue
-        label = "miss" if state.state == "miss" else f"CORRUPT: {state.detail}; will rebuild"
+        remote = remote_state(kernel.key) if remote_state is not None else "miss"
+        if remote == "hit registry":
+            states[kernel.key] = ("hit registry", "0s (download)")
+            continue
+        label = remote if state.state == "miss" else f"CORRUPT: {state.detail}; will rebuild"
         if kernel.estimate:
             jobs = parallel_jobs(kernel.memory_per_job_gb)
             wall = kernel.estimate.wall_seconds(jobs)

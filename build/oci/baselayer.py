@@ -161,7 +161,7 @@ def base_layers(engine, cache: LayerCache, scratch: Path, base_ref: str, user: T
     keys = [layer_key("base", {"diff_ids": diff_ids[:i + 1], "user": [user.name, user.uid, user.gid],
                                "dropped": list(DROPPED), "last": i == len(diff_ids) - 1})
             for i in range(len(diff_ids))]
-    found = [cache.lookup(key) for key in keys]
+    found = [cache.find(key) for key in keys]
     if all(found):
         return found
     saved = scratch / "base-image.tar"

@@ -40,10 +40,11 @@ class CachedLayer:
     mtime: int
     path: Path
     reused: bool = False
+    source: str = "local"    # where a reused layer came from: "local", or "registry" (the remote cache)
 
     def meta(self) -> dict:
         data = asdict(self)
-        for transient in ("path", "reused", "key"):
+        for transient in ("path", "reused", "key", "source"):
             data.pop(transient)
         return data
 
@@ -63,9 +64,15 @@ def _sha256(path: Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
+RemoteFetch = Callable[["LayerCache", str], "CachedLayer | None"]
+
+
 class LayerCache:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, remote: RemoteFetch | None = None):
+        """`remote`: asked for a key the local cache lacks (the remote cache, build/remote_cache/);
+        it publishes what it fetched through `staging` and `publish` and returns it, or None."""
         self.root = root
+        self.remote = remote
         self.damaged: list[str] = []    # keys whose blob no longer matched its digest (removed, rebuilt)
 
     def lookup(self, key: str, *, check_content: bool = True) -> CachedLayer | None:
@@ -88,26 +95,25 @@ class LayerCache:
             return None
         return layer
 
+    def find(self, key: str) -> CachedLayer | None:
+        """The layer for `key` from this cache, else from the remote cache (if any), else None."""
+        found = self.lookup(key)
+        if found is None and self.remote is not None:
+            found = self.remote(self, key)
+        return found
+
     def get_or_make(self, key: str, name: str, created_by: str, mtime: int,
                     make: Callable[[Path], LayerBlob]) -> CachedLayer:
         """The cached layer for `key`, or `make(path)` writes it at `path` and it is published."""
-        found = self.lookup(key)
+        found = self.find(key)
         if found is not None:
             return found
-        self.root.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".tmp-layer-{os.getpid()}-", dir=self.root))
+        staging = self.staging()
         try:
             blob = make(staging / BLOB_NAME)
             layer = CachedLayer(key=key, name=name, diff_id=blob.diff_id, digest=blob.digest, size=blob.size,
                                 created_by=created_by, mtime=mtime, path=self.root / key / BLOB_NAME)
-            (staging / META_NAME).write_text(json.dumps(layer.meta(), sort_keys=True, indent=1) + "\n")
-            os.chmod(staging, 0o755)
-            try:
-                os.rename(staging, self.root / key)
-            except OSError:
-                if self.lookup(key, check_content=False) is None:   # not a concurrent build that published it
-                    raise
-            published = self.lookup(key, check_content=False)
+            published = self.publish(key, staging, layer)
             return replace(published, reused=False) if published is not None else layer
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -120,6 +126,24 @@ class LayerCache:
         with open(self.root / ".assembling.lock", "a+") as lock:
             fcntl.flock(lock, fcntl.LOCK_SH)
             yield
+
+    def staging(self) -> Path:
+        """A scratch folder beside the entries, named for this process (sweep removes it if the
+        process dies); the caller writes BLOB_NAME into it and removes it if it is not published."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".tmp-layer-{os.getpid()}-", dir=self.root))
+
+    def publish(self, key: str, staging: Path, layer: CachedLayer) -> CachedLayer | None:
+        """Write `layer`'s layer.json beside its blob in `staging` and rename the folder into
+        place, whole; an entry a concurrent build published first is kept."""
+        (staging / META_NAME).write_text(json.dumps(layer.meta(), sort_keys=True, indent=1) + "\n")
+        os.chmod(staging, 0o755)
+        try:
+            os.rename(staging, self.root / key)
+        except OSError:
+            if self.lookup(key, check_content=False) is None:   # not a concurrent build that published it
+                raise
+        return self.lookup(key, check_content=False)
 
     def record_use(self, image: str, keys: list[str]) -> None:
         """Remember which entries the newest build of `image` uses (see prune_unused)."""

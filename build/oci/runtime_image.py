@@ -9,7 +9,7 @@ from build.context.render import APP_DIR, GATE, VENV, RenderedContext
 from build.oci import docker_archive
 from build.oci.baselayer import TrainingUser, base_epoch, base_layers
 from build.oci.image import AssembledImage, RuntimeSettings, assemble, file_layer, tree_layer, write_layout
-from build.oci.layercache import LayerCache
+from build.oci.layercache import CachedLayer, LayerCache, RemoteFetch
 from build.oci.tarlayer import EXEC_MODE, FILE_MODE
 from build.oci.venv import LockedWheel, capped, venv_layer
 from build.resolve import BuildPlan
@@ -24,7 +24,8 @@ class Assembly:
     image: AssembledImage
     layout: Path
     layers_sent: int          # how many layers the engine had to be sent (0 when it had the image)
-    states: dict[str, str]    # per layer: "hit" or "miss"
+    states: dict[str, str]    # per layer: "hit local", "hit registry" or "miss"
+    layers: tuple[CachedLayer, ...] = ()
 
 
 def lock_epoch(wheels_time: int, runtime_base: dict) -> int:
@@ -46,9 +47,11 @@ def runtime_settings(plan: BuildPlan, base_env: list[str], labels: dict[str, str
 
 def assemble_runtime_image(plan: BuildPlan, context: RenderedContext, *, wheels: list[LockedWheel],
                            runtime_base: str, engine, cache: CacheLayout, out_dir: Path, app_epoch: int,
-                           wheels_time: int, labels: dict[str, str], log: EventLog) -> Assembly:
-    """`wheels_time`: the newest entry time in the wheels (venv.wheels_epoch), read once by the caller."""
-    layers_cache = LayerCache(cache.layers)
+                           wheels_time: int, labels: dict[str, str], log: EventLog,
+                           remote: RemoteFetch | None = None) -> Assembly:
+    """`wheels_time`: the newest entry time in the wheels (venv.wheels_epoch), read once by the caller.
+    `remote`: asked for a layer the local layer cache lacks (the remote cache)."""
+    layers_cache = LayerCache(cache.layers, remote=remote)
     layers_cache.sweep()
     base_info = engine.image(runtime_base) or {}
     user = TrainingUser(plan.spec.user.name, plan.spec.user.uid, plan.spec.gid)
@@ -74,7 +77,7 @@ def assemble_runtime_image(plan: BuildPlan, context: RenderedContext, *, wheels:
     pruned = layers_cache.prune_unused()
     if pruned:
         log.emit("image", f"removed {len(pruned)} superseded layer(s) from the layer cache")
-    states = {f"{layer.name}:{layer.diff_id[7:19]}": "hit" if layer.reused else "miss" for layer in layers}
+    states = {f"{layer.name}:{layer.diff_id[7:19]}": layer_state(layer) for layer in layers}
     base_env = list(((base_info.get("Config") or {}).get("Env")) or [])
     image = assemble(layers, runtime_settings(plan, base_env, labels), app_epoch)
     layout = write_layout(image, out_dir, plan.tag)
@@ -86,4 +89,10 @@ def assemble_runtime_image(plan: BuildPlan, context: RenderedContext, *, wheels:
         _, sent = docker_archive.load(engine, image.config, plan.tag, layers, image.image_id)
     log.emit("image", f"image {image.image_id[:19]} ({len(layers)} layers, {sent} sent to the engine), "
              f"manifest {image.manifest_digest[:19]}")
-    return Assembly(image=image, layout=layout, layers_sent=sent, states=states)
+    return Assembly(image=image, layout=layout, layers_sent=sent, states=states, layers=tuple(layers))
+
+
+def layer_state(layer: CachedLayer) -> str:
+    if not layer.reused:
+        return "miss"
+    return "hit registry" if layer.source == "registry" else "hit local"

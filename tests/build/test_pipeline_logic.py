@@ -171,7 +171,7 @@ def test_kernel_stage_compiles_once_then_hits(tmp_path, monkeypatch):
     assert all(state.startswith("miss") for state in first.states.values())
     second = kernel_stage.provide_kernels(plan, cache=cache, engine=FakeEngine(), log=QUIET, builder_base="b")
     assert sorted(calls) == ["causal-conv1d", "flash-attn"]          # no compile on a hit
-    assert set(second.states.values()) == {"hit"}
+    assert set(second.states.values()) == {"hit local"}
     assert [w.sha256 for w in second.wheels] == [w.sha256 for w in first.wheels]
 
 

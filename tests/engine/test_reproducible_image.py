@@ -74,7 +74,7 @@ def test_a_new_commit_rebuilds_and_sends_only_the_app_layer(smoke_build, restore
     first, second = reports
     states = {name.split()[1].split(":")[0]: state for name, state in second["cache"].items()
               if name.startswith("layer ")}
-    assert states == {"base": "hit", "venv": "hit", "lock": "hit", "app": "miss"}
+    assert states == {"base": "hit local", "venv": "hit local", "lock": "hit local", "app": "miss"}
     assert second["layers_sent"] == 1 and second["image_id"] != first["image_id"]
     assert second["diff_ids"][:3] == first["diff_ids"][:3] and second["diff_ids"][3] != first["diff_ids"][3]
 

@@ -49,7 +49,7 @@ def _kernel_entry(plan_dir: Path, name: str):
 
 def test_kernel_smoke_compiles_checks_and_caches(kernel_smoke):
     first, second = kernel_smoke["first"], kernel_smoke["second"]
-    assert first["cache"]["kernel:causal-conv1d"].startswith(("miss (compiled", "hit"))
+    assert first["cache"]["kernel:causal-conv1d"].startswith(("miss (compiled", "hit local"))
     kernel, entry = _kernel_entry(REPO_ROOT / "images" / "kernel-smoke", "causal-conv1d")
     assert entry is not None, "the compiled wheel must be in the cache"
     assert entry.meta["archs"]["sass"] == ["sm_90"]          # patched gencodes: sm_90 only
@@ -63,7 +63,7 @@ def test_kernel_smoke_compiles_checks_and_caches(kernel_smoke):
     assert any(c["name"] == "causal-conv1d" and c["hashes"][0]["content"] == entry.sha256
                for c in sbom["components"])
     # Second run: zero compilation, and the image itself is reused.
-    assert second["cache"]["kernel:causal-conv1d"] == "hit"
+    assert second["cache"]["kernel:causal-conv1d"] == "hit local"
     assert second["cache"]["image"] == "hit"
     assert second["image_id"] == first["image_id"]
 

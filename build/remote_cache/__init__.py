@@ -1,0 +1,237 @@
+"""The remote cache: compiled kernels and assembled layers shared through one OCI repository.
+
+Lookup order is local cache, then the registry, then compile/assemble. A registry entry is
+used only once it proved itself: its manifest has the expected artifact type and media types,
+its signature verifies with `--cache-key` (or `--trust-unsigned-cache` said not to ask), and
+every byte downloaded matches the digests (and, for a layer, the diffID) it was pushed with.
+An entry that fails any of that is named in one WARN line and the build makes its own; it is
+never used and never overwritten. A registry that is down, slow or refusing costs one WARN
+line and at most one timeout: from then on this build runs without it.
+
+What a build used is queued (`queue_kernel`, `queue_layer`) and pushed at the end (`flush`),
+after the image push, so a layer blob the image push already stored is found by a HEAD, or
+mounted from the image's repository, instead of being sent again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from build.kernels.store import KernelEntry, KernelStore
+from build.oci.image import sha256_digest
+from build.oci.layercache import CachedLayer, LayerCache
+from build.publish.registry import RegistryError
+from build.remote_cache.kernel_entries import fetch_kernel, kernel_manifest
+from build.remote_cache.layer_entries import fetch_layer, layer_manifest
+from build.remote_cache.options import RemoteCacheOptions
+from build.remote_cache.transport import CacheRegistry
+from build.remote_cache.trust import Untrusted, sign_entry, verify_entry
+from build.remote_cache.wire import (
+    EMPTY_BLOB,
+    KERNEL_ARTIFACT,
+    KERNEL_LIMITS,
+    LAYER_ARTIFACT,
+    LAYER_LIMITS,
+    Descriptor,
+    WireError,
+    kernel_tag,
+    layer_tag,
+    parse_manifest,
+)
+from contracts.events import EventLog
+
+__all__ = ["RemoteCache", "RemoteCacheOptions"]
+
+
+@dataclass
+class _Pending:
+    kernels: dict[str, KernelEntry] = field(default_factory=dict)
+    layers: dict[str, CachedLayer] = field(default_factory=dict)
+
+
+class RemoteCache:
+    def __init__(self, options: RemoteCacheOptions, log: EventLog, *, client: CacheRegistry | None = None):
+        self.options, self.log = options, log
+        self.client = client or CacheRegistry(options.registry, timeout=options.timeout)
+        self.unavailable = ""                   # why the registry is no longer asked, once it failed
+        self.refused: dict[str, str] = {}       # tag -> why its entry was not used (or not overwritten)
+        self.hits: list[str] = []
+        self.pushed: list[str] = []
+        self.already_there: list[str] = []
+        self.pending = _Pending()
+        self.signed_by = ""
+        if options.public_key is not None:
+            from build import signing
+
+            self.signed_by = signing.key_id(options.public_key)
+
+    @property
+    def path(self) -> str:
+        return self.options.path
+
+    # ---- what went wrong, once ----------------------------------------------------------------
+
+    def _lost(self, exc: RegistryError) -> None:
+        if not self.unavailable:
+            self.unavailable = str(exc)
+            self.log.emit("cache", f"WARN: remote cache {self.options.repository} unavailable: {exc}; "
+                                   "this build goes on without it")
+
+    def _refuse(self, tag: str, why: str, doing: str) -> None:
+        if tag not in self.refused:
+            self.refused[tag] = why
+            self.log.emit("cache", f"WARN: remote cache entry {tag} refused: {why}; {doing}")
+
+    def _usable(self) -> bool:
+        return not self.unavailable
+
+    # ---- reading ------------------------------------------------------------------------------
+
+    def _open(self, tag: str, artifact: str, limits: dict[str, int]) -> dict[str, Descriptor] | None:
+        """The entry's layers once its manifest and signature checked out; None when there is
+        none. WireError / Untrusted say why it cannot be used; RegistryError, why nothing can."""
+        data = self.client.get_manifest(self.path, tag)
+        if data is None:
+            return None
+        layers = parse_manifest(data, artifact, limits)
+        if self.options.public_key is not None:
+            verify_entry(self.client, self.path, self.options.repository, sha256_digest(data),
+                         self.options.public_key)
+        return layers
+
+    def _read(self, tag_of, key: str, artifact: str, limits: dict[str, int], fetch, doing: str):
+        if not self.options.reads or not self._usable():
+            return None
+        try:
+            tag = tag_of(key)
+        except WireError as exc:   # refused before any request
+            self._refuse(str(key)[:80].encode("unicode_escape").decode(), str(exc), doing)
+            return None
+        try:
+            layers = self._open(tag, artifact, limits)
+            if layers is None:
+                return None
+            found = fetch(layers)
+        except RegistryError as exc:
+            self._lost(exc)
+            return None
+        except (Untrusted, ValueError, OSError) as exc:
+            self._refuse(tag, str(exc), doing)
+            return None
+        self.hits.append(tag)
+        trust = f"signature by {self.signed_by[:23]}... verified" if self.signed_by else \
+            "UNSIGNED, used on --trust-unsigned-cache"
+        self.log.emit("cache", f"remote cache hit: {tag[:23]}... ({trust})")
+        return found
+
+    def fetch_kernel(self, store: KernelStore, key: str) -> KernelEntry | None:
+        """The kernel entry for `key` from the registry, published into `store` (the caller
+        holds `store.lock(key)`), or None: compile it."""
+        provenance = {"fetched_from": self.options.repository,
+                      "fetched_signature": f"verified {self.signed_by}" if self.signed_by
+                      else "none (--trust-unsigned-cache)"}
+        return self._read(kernel_tag, key, KERNEL_ARTIFACT, KERNEL_LIMITS,
+                          lambda layers: fetch_kernel(self.client, self.path, key, layers, store, provenance),
+                          "compiling it here instead")
+
+    def fetch_layer(self, cache: LayerCache, key: str) -> CachedLayer | None:
+        """The layer for `key` from the registry, published into `cache`, or None: assemble it."""
+        return self._read(layer_tag, key, LAYER_ARTIFACT, LAYER_LIMITS,
+                          lambda layers: fetch_layer(self.client, self.path, key, layers, cache),
+                          "assembling it here instead")
+
+    def kernel_state(self, key: str) -> str:
+        """For `--plan`: "hit registry", "miss", or why the registry will not be used."""
+        if not self.options.reads:
+            return "miss (registry not read)"
+        if not self._usable():
+            return "miss (registry unavailable)"
+        try:
+            layers = self._open(kernel_tag(key), KERNEL_ARTIFACT, KERNEL_LIMITS)
+        except RegistryError as exc:
+            self._lost(exc)
+            return "miss (registry unavailable)"
+        except (Untrusted, ValueError) as exc:
+            self._refuse(f"kernel-{key}", str(exc), "it would be compiled")
+            return "miss (registry entry refused)"
+        return "hit registry" if layers is not None else "miss"
+
+    # ---- writing ------------------------------------------------------------------------------
+
+    def queue_kernel(self, entry: KernelEntry) -> None:
+        self.pending.kernels[entry.key] = entry
+
+    def queue_layer(self, layer: CachedLayer) -> None:
+        self.pending.layers[layer.key] = layer
+
+    def flush(self, *, mount_from: str = "") -> None:
+        """Push every queued entry the registry lacks. `mount_from`: a repository on the same
+        registry the image was just pushed to (its layer blobs are mounted from there)."""
+        if not self.options.writes:
+            return
+        for entry in self.pending.kernels.values():
+            self._push(kernel_tag(entry.key), KERNEL_ARTIFACT, KERNEL_LIMITS, *kernel_manifest(entry))
+        for layer in self.pending.layers.values():
+            self._push(layer_tag(layer.key), LAYER_ARTIFACT, LAYER_LIMITS, *layer_manifest(layer),
+                       mount_from=mount_from)
+        self.pending = _Pending()
+        if self.pushed or self.already_there:
+            self.log.emit("cache", f"remote cache {self.options.repository}: pushed {len(self.pushed)} entries, "
+                                   f"{len(self.already_there)} already there")
+
+    def _push(self, tag: str, artifact: str, limits: dict[str, int], manifest: bytes, blobs, *,
+              mount_from: str = "") -> None:
+        if not self._usable():
+            return
+        try:
+            if self._valid_entry_there(tag, artifact, limits):
+                self.already_there.append(tag)
+                return
+            if tag in self.refused:
+                return     # an invalid entry is reported, never overwritten
+            self.client.push_bytes(self.path, EMPTY_BLOB)
+            for descriptor, source in blobs:
+                if isinstance(source, bytes):
+                    self.client.push_bytes(self.path, source)
+                else:
+                    self.client.push_file(self.path, source, descriptor.digest, descriptor.size, mount_from)
+            digest = sha256_digest(manifest)
+            if self.options.sign_key is not None:   # first, so the tag never names an unsigned entry
+                sign_entry(self.client, self.path, self.options.repository, digest, self.options.sign_key)
+            self.client.put_manifest(self.path, tag, manifest)
+            self.pushed.append(tag)
+        except RegistryError as exc:
+            self._lost(exc)
+
+    def _valid_entry_there(self, tag: str, artifact: str, limits: dict[str, int]) -> bool:
+        """Whether `tag` already holds a valid entry (left alone); an invalid one is recorded in
+        `refused`, so it is reported and not overwritten."""
+        data = self.client.get_manifest(self.path, tag)
+        if data is None:
+            return False
+        doing = "left as it is (not overwritten)"
+        try:
+            layers = parse_manifest(data, artifact, limits)
+            if self.options.sign_key is not None:
+                verify_entry(self.client, self.path, self.options.repository, sha256_digest(data),
+                             self.options.sign_key.public_key())
+        except (Untrusted, ValueError) as exc:
+            self._refuse(tag, str(exc), doing)
+            return False
+        missing = [d.digest for d in layers.values() if not self.client.has_blob(self.path, d.digest)]
+        if missing:
+            self._refuse(tag, f"the manifest points at blob {missing[0][:19]}, which the registry does not have",
+                         doing)
+            return False
+        return True
+
+    # ---- the record ---------------------------------------------------------------------------
+
+    def record(self) -> dict:
+        """What build-report.json keeps under `remote_cache` (no credentials: none are ever held here)."""
+        trust = f"signed by {self.signed_by}" if self.signed_by else \
+            ("UNSIGNED (--trust-unsigned-cache)" if self.options.trust_unsigned else "not read")
+        return {"repository": self.options.repository, "read": self.options.reads, "trust": trust,
+                "written": self.options.writes, "hits": len(self.hits), "pushed": len(self.pushed),
+                "already_there": len(self.already_there), "refused": dict(sorted(self.refused.items())),
+                "unavailable": self.unavailable, "bytes_pulled": self.client.bytes_pulled,
+                "bytes_pushed": self.client.bytes_pushed, "timeout_s": self.options.timeout}

@@ -1,0 +1,110 @@
+"""An assembled layer's cache entry (the LayerCache's `layers/<key>/`) as a remote artifact, and back.
+
+Pushed: the layer blob itself, with the image's own layer media type, so it is the same blob
+(same digest) the image push stores: in the image's repository a HEAD finds it, and from
+another repository on the same registry it is mounted instead of sent again; then layer.json.
+Fetched: layer.json first (small, bounded, every field checked), then the blob, streamed into a
+LayerCache staging folder and hashed twice on the way: its digest, and the diffID (the sha256
+of the decompressed tar, gunzipped chunk by chunk in bounded memory), both against layer.json.
+Only then does LayerCache.publish rename it into place.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import zlib
+from dataclasses import replace
+from pathlib import Path
+
+from build.oci.layercache import BLOB_NAME, META_NAME, CachedLayer, LayerCache
+from build.remote_cache.transport import CacheRegistry
+from build.remote_cache.wire import (
+    DIGEST,
+    LAYER_ARTIFACT,
+    LAYER_MEDIA,
+    LAYER_META_MEDIA,
+    MAX_META,
+    Descriptor,
+    WireError,
+    build_manifest,
+)
+
+NAMES = ("base", "venv", "lock", "app")
+FIELDS = {"name": str, "diff_id": str, "digest": str, "size": int, "created_by": str, "mtime": int}
+INFLATE_STEP = 4 << 20     # bytes of tar produced per inflate call: a gzip bomb cannot fill memory
+
+
+def layer_manifest(layer: CachedLayer) -> tuple[bytes, list[tuple[Descriptor, Path | bytes]]]:
+    meta = (layer.path.parent / META_NAME).read_bytes()
+    blobs: list[tuple[Descriptor, Path | bytes]] = [(Descriptor(LAYER_MEDIA, layer.digest, layer.size), layer.path),
+                                                    (Descriptor.of(LAYER_META_MEDIA, meta), meta)]
+    return build_manifest(LAYER_ARTIFACT, [d for d, _ in blobs]), blobs
+
+
+def _layer_meta(raw: bytes, blob: Descriptor) -> dict:
+    try:
+        meta = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise WireError("its layer.json is not JSON") from None
+    if not isinstance(meta, dict) or set(meta) != set(FIELDS):
+        raise WireError(f"its layer.json has fields {sorted(meta)[:8] if isinstance(meta, dict) else '?'}, "
+                        f"expected {sorted(FIELDS)}")
+    for name, kind in FIELDS.items():
+        if not isinstance(meta[name], kind) or isinstance(meta[name], bool):
+            raise WireError(f"its layer.json's {name} is not a {kind.__name__}")
+    if meta["name"] not in NAMES:
+        raise WireError(f"its layer.json names a {meta['name'][:20]!r} layer")
+    if not DIGEST.fullmatch(meta["diff_id"]):
+        raise WireError("its layer.json's diff_id is not a sha256 digest")
+    if meta["digest"] != blob.digest or meta["size"] != blob.size:
+        raise WireError("its layer.json describes another blob than its manifest's layer")
+    if meta["mtime"] < 0 or len(meta["created_by"]) > 4096:
+        raise WireError("its layer.json's mtime or created_by is out of range")
+    return meta
+
+
+class _DiffId:
+    """The sha256 of the tar inside a gzip stream, fed chunk by chunk."""
+
+    def __init__(self):
+        self.inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        self.sha = hashlib.sha256()
+        self.trailing = False     # bytes after the gzip stream ended: a second member
+
+    def feed(self, chunk: bytes) -> None:
+        if self.inflate.eof:
+            self.trailing = self.trailing or bool(chunk)
+            return
+        data = chunk
+        while data and not self.inflate.eof:
+            self.sha.update(self.inflate.decompress(data, INFLATE_STEP))
+            data = self.inflate.unconsumed_tail
+
+    def digest(self) -> str:
+        if not self.inflate.eof or self.inflate.unused_data or self.trailing:
+            raise WireError("its layer blob is not one complete gzip stream")
+        return "sha256:" + self.sha.hexdigest()
+
+
+def fetch_layer(client: CacheRegistry, path: str, key: str, layers: dict[str, Descriptor],
+                cache: LayerCache) -> CachedLayer:
+    """Download, re-hash and publish one layer; ValueError (WireError) says what the entry gets
+    wrong, and nothing is left in the cache then."""
+    blob, meta_blob = layers[LAYER_MEDIA], layers[LAYER_META_MEDIA]
+    meta = _layer_meta(client.small_blob(path, meta_blob.digest, MAX_META), blob)
+    staging = cache.staging()
+    try:
+        diff = _DiffId()
+        try:
+            client.download(path, blob.digest, blob.size, staging / BLOB_NAME, feed=diff.feed)
+        except zlib.error:
+            raise WireError("its layer blob is not gzip") from None
+        if diff.digest() != meta["diff_id"]:
+            raise WireError(f"its layer's tar has diffID {diff.digest()[:19]}, layer.json says {meta['diff_id'][:19]}")
+        published = cache.publish(key, staging, CachedLayer(key=key, path=cache.root / key / BLOB_NAME, **meta))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if published is None:
+        raise WireError("it vanished from the local cache right after publishing")
+    return replace(published, reused=True, source="registry")
