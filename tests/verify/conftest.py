@@ -38,8 +38,10 @@ def _run_verify(*args: str, extra_pythonpath: Path | None = None, env: dict | No
     """Run `python -m verify ARGS`; returns (returncode, stdout, stderr). No lock unless --lock is given."""
     paths = [str(extra_pythonpath)] if extra_pythonpath else []
     paths.append(str(REPO))
+    # COLUMNS fixed: the table wraps to the terminal, and a width some library set in this worker
+    # would split the words the tests look for
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "FTIMAGE_LOCK": "/nonexistent/lock.json",
-                **(env or {})}
+                "COLUMNS": "200", **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "verify", *args], cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr
