@@ -140,7 +140,9 @@ class TrainConfig:
     min_lr_ratio: float = field(default=0.1, metadata=rule(ge=0.0, le=1.0, fix="set train.min_lr_ratio in "
                                                            "[0, 1]: the cosine floor as a fraction of lr"))
     warmup_steps: int = field(default=50, metadata=_non_negative("train.warmup_steps"))  # linear warmup from 0
-    weight_decay: float = field(default=0.0, metadata=rule(ge=0.0, fix="set train.weight_decay >= 0"))
+    weight_decay: float = field(default=0.0, metadata=rule(ge=0.0, le=10.0, fix="set train.weight_decay in "
+                                                           "[0, 10] (0.0 to 0.1 is usual)"))  # AdamW's decoupled
+    #                                       decay: each step scales every weight by 1 - lr * weight_decay
     beta1: float = field(default=0.9, metadata=rule(ge=0.0, le=0.999999, fix="set train.beta1 in [0, 1)"))
     beta2: float = field(default=0.95, metadata=rule(ge=0.0, le=0.999999, fix="set train.beta2 in [0, 1)"))
     eps: float = field(default=1e-8, metadata=rule(ge=0.0, le=1.0, fix="set train.eps to a small positive "
@@ -339,6 +341,12 @@ def cross_field_problems(cfg: FinetuneConfig, *, require_paths: bool = True) -> 
             "checkpoint.keep_best" if cfg.checkpoint.keep_best else "eval.samples"
         problems.append((key, "needs evaluations, but train.eval_every is 0", "set train.eval_every (and "
                          "data.eval_path or data.eval_fraction)"))
+    t = cfg.train
+    if t.lr * t.weight_decay > 1.0:   # inf past the float range: refused the same way
+        problems.append(("train.lr", f"{t.lr:g} x train.weight_decay {t.weight_decay:g} = {t.lr * t.weight_decay:g} "
+                         "exceeds 1: AdamW scales every weight by 1 - lr * weight_decay each step, which must stay "
+                         "within [0, 1]", "lower train.lr or train.weight_decay until their product is at most 1 "
+                         "(e.g. lr 2e-5 with weight_decay 0.1)"))
     if cfg.data.max_length > cfg.packing.budget:
         problems.append(("data.max_length", f"{cfg.data.max_length} exceeds packing.budget {cfg.packing.budget}",
                          "lower data.max_length or raise packing.budget; a document must fit one micro-batch"))

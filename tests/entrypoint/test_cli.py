@@ -105,6 +105,26 @@ def test_finetune_bad_config_is_a_message_not_a_traceback(tmp_path):
     assert r.returncode == 2 and "config file not found" in r.stderr
 
 
+def test_a_learning_rate_and_weight_decay_past_the_float_range_are_refused_before_any_rank(fixture_dir, tmp_path):
+    """lr * weight_decay is AdamW's per-step decay: 1e308 * 1e308 is inf, which would surface steps
+    later as a NaN loss (exit 1) instead of a config problem."""
+    out = tmp_path / "out"
+    r = run_entrypoint(["finetune", "--config", str(fixture_dir.config), f"output.dir={out}", "train.lr=1e308",
+                        "train.weight_decay=1e308"])
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == ["error: invalid finetune config:"]
+    assert "train.weight_decay: 1e+308 is out of range (allowed: a finite number >= 0.0 and <= 10.0)" in r.stderr
+    assert "fix: set train.weight_decay in [0, 10]" in r.stderr and "Traceback" not in r.stderr
+    assert "running verify" not in r.stderr and not out.exists()   # nothing ran, nothing was written
+    with pytest.raises(ConfigError) as err:   # each in range, their product not: the product is named
+        build_config([{"train": {"lr": 1e308, "weight_decay": 10.0}}], require_paths=False)
+    [problem] = err.value.problems
+    assert problem.field == "train.lr" and "= inf exceeds 1" in problem.problem
+    assert "train.weight_decay" in problem.problem and "at most 1" in problem.fix
+    cfg = build_config([{"train": {"lr": 0.1, "weight_decay": 10.0}}], require_paths=False)   # a product of 1
+    assert (cfg.train.lr, cfg.train.weight_decay) == (0.1, 10.0)
+
+
 def test_finetune_missing_data_names_the_fix(fixture_dir, tmp_path):
     r = run_entrypoint(["finetune", "--config", str(fixture_dir.config), "data.path=/nope.jsonl",
                         f"output.dir={tmp_path}"])
