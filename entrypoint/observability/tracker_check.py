@@ -1,6 +1,7 @@
 """Can the trackers in output.report_to start? Asked by the launcher before any rank starts, each
-within TIMEOUT_S seconds, so an unreachable server is one error naming the tracker, the cause
-and the fix, never minutes of library retries after the ranks started.
+within TIMEOUT_S seconds (the whole check, name lookup included: a call that ignores its timeout is
+abandoned MARGIN_S later), so an unreachable server is one error naming the tracker, the cause and
+the fix, never minutes of library retries after the ranks started.
 
   * wandb: only an online run is checked (WANDB_MODE=online, or WANDB_API_KEY set without
     WANDB_MODE): WANDB_BASE_URL (default https://api.wandb.ai) must answer, through the proxy the
@@ -20,12 +21,15 @@ import netrc
 import os
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
 TIMEOUT_S = 10
+MARGIN_S = 2   # a probe's sockets time out within TIMEOUT_S; past this margin a call with no timeout of its
+#                own (a DNS lookup without network) is abandoned
 WANDB_DEFAULT_URL = "https://api.wandb.ai"
 OFFLINE_WANDB_MODES = ("offline", "dryrun", "disabled")
 
@@ -83,11 +87,17 @@ def reachable(url: str, env: dict, timeout: float) -> str | None:
 
 
 def _bounded(call, timeout: float, what: str) -> str | None:
-    """Run `call` (None or a cause) in a daemon thread; past `timeout` s it is a cause of its own."""
+    """Run `call(seconds_left)` (None or a cause) in a daemon thread: the whole check, name lookup
+    included, ends within `timeout` + MARGIN_S s, and not answering by then is a cause of its own."""
     result: list = []
-    thread = threading.Thread(target=lambda: result.append(_guarded(call)), daemon=True)
+    deadline = time.monotonic() + timeout
+
+    def left() -> float:
+        return max(0.1, deadline - time.monotonic())
+
+    thread = threading.Thread(target=lambda: result.append(_guarded(lambda: call(left))), daemon=True)
     thread.start()
-    thread.join(timeout)
+    thread.join(timeout + MARGIN_S)
     return result[0] if result else f"{what}: no answer within {timeout:g} s"
 
 
@@ -117,9 +127,7 @@ def check_wandb(env: dict, timeout: float = TIMEOUT_S) -> None:
     if not key:
         raise TrackerUnavailable("wandb", f"WANDB_MODE={mode or 'online'} but there is no API key (WANDB_API_KEY "
                                  "or a netrc entry)", "set WANDB_API_KEY, or " + _fix("wandb").split(", or ", 1)[1])
-    cause = reachable(base, env, timeout)
-    if cause is None:
-        cause = _bounded(lambda: _wandb_viewer(base, key, timeout), timeout + 2, base)
+    cause = _bounded(lambda left: reachable(base, env, left()) or _wandb_viewer(base, key, left()), timeout, base)
     if cause:
         raise TrackerUnavailable("wandb", f"{base} ({cause}; checked within {timeout:g} s)", _fix("wandb"))
 
@@ -155,23 +163,26 @@ def check_mlflow(env: dict, timeout: float = TIMEOUT_S) -> None:
                                      "point MLFLOW_TRACKING_URI at a writable folder (file:/path/to/mlruns), or "
                                      "remove mlflow from output.report_to (metrics.jsonl is always written)")
         return
-    cause = reachable(uri, env, timeout) if scheme in ("http", "https") else None
-    if cause is None:
-        # the client reads its settings (tokens, TLS) from os.environ: the run's, with retries off
-        settings = {k: v for k, v in env.items() if k.startswith(("MLFLOW_", "DATABRICKS_"))}
-        settings.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=str(int(timeout)))
-        saved = {k: os.environ.get(k) for k in settings}
-        os.environ.update(settings)
-        try:
-            from mlflow.tracking import MlflowClient  # imported first: its import is not the server's time
+    # the client reads its settings (tokens, TLS) from os.environ: the run's, with retries off
+    settings = {k: v for k, v in env.items() if k.startswith(("MLFLOW_", "DATABRICKS_"))}
+    settings.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=str(max(1, int(timeout))))
+    saved = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    try:
+        from mlflow.tracking import MlflowClient  # imported first: its import is not the server's time
 
-            cause = _bounded(lambda: _mlflow_search(MlflowClient, uri), timeout + 2, uri)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        def probe(left) -> str | None:
+            if scheme in ("http", "https") and (cause := reachable(uri, env, left())):
+                return cause
+            return _mlflow_search(MlflowClient, uri)
+
+        cause = _bounded(probe, timeout, uri)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     if cause:
         raise TrackerUnavailable("mlflow", f"MLFLOW_TRACKING_URI={uri} ({cause}; checked within {timeout:g} s)",
                                  _fix("mlflow"))
@@ -189,4 +200,4 @@ def check(names: list[str], env: dict, timeout: float = TIMEOUT_S) -> None:
         {"wandb": check_wandb, "mlflow": check_mlflow}.get(name, lambda _env, _t: None)(env, timeout)
 
 
-__all__ = ["TIMEOUT_S", "TrackerUnavailable", "check", "reachable"]
+__all__ = ["MARGIN_S", "TIMEOUT_S", "TrackerUnavailable", "check", "reachable"]

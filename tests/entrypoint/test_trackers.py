@@ -121,6 +121,44 @@ def test_a_wandb_server_that_hangs_or_refuses_the_key_is_named_within_the_timeou
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("tracker, url_key", [("wandb", "WANDB_BASE_URL"), ("mlflow", "MLFLOW_TRACKING_URI")])
+def test_a_name_lookup_that_never_answers_is_bounded_by_the_stated_timeout(monkeypatch, tracker, url_key):
+    """Without network, getaddrinfo can block far past any socket timeout: the lookup is part of the
+    bounded check, so the refusal comes within the timeout (+ the margin for an abandoned call)."""
+    import socket as socket_module
+
+    from entrypoint.observability.tracker_check import MARGIN_S, check
+
+    if tracker == "mlflow":
+        import mlflow.tracking  # noqa: F401 - the import is not the server's time (check_mlflow imports it first)
+    release, asked = threading.Event(), []
+
+    def lookup_that_hangs(host, *args, **kwargs):
+        asked.append(host)
+        release.wait(60)
+        raise socket_module.gaierror("the lookup was abandoned")
+
+    monkeypatch.setattr(socket_module, "getaddrinfo", lookup_that_hangs)
+    url = "http://tracker.example.invalid:8080"
+    env = {"WANDB_MODE": "online", "WANDB_API_KEY": FAKE_KEY, url_key: url}
+    started = time.monotonic()
+    try:
+        with pytest.raises(TrackerUnavailable) as info:
+            check([tracker], env, timeout=1)
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()   # the abandoned lookup thread ends
+    assert asked == ["tracker.example.invalid"]
+    assert elapsed < 1 + MARGIN_S + 2, elapsed     # generous: the bound is 1 s + MARGIN_S
+    message = str(info.value)
+    assert "\n" not in message and info.value.tracker == tracker
+    assert message == f"output.report_to: {tracker} cannot start: " + (
+        f"{url} ({url}: no answer within 1 s; checked within 1 s)" if tracker == "wandb" else
+        f"MLFLOW_TRACKING_URI={url} ({url}: no answer within 1 s; checked within 1 s)")
+    assert f"remove {tracker} from output.report_to" in info.value.fix
+
+
+@pytest.mark.unit
 def test_trackers_that_need_no_server_are_not_asked(tmp_path):
     check_wandb({})                                   # no key: offline, the default
     check_wandb({"WANDB_API_KEY": FAKE_KEY, "WANDB_MODE": "offline"})
