@@ -20,7 +20,7 @@ from pathlib import Path
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
 from build import proc
-from build.cache import CacheLayout, sha256_file
+from build.cache import CacheLayout, UnsafeFile, digest_nofollow, sha256_file
 from build.errors import BuildFailure
 from build.resolve import BuildPlan, digest
 from contracts import atomic
@@ -38,6 +38,7 @@ class Wheel:
     version: str
     filename: str
     sha256: str
+    size: int | None = None   # bytes; None in resolutions recorded before sizes were
 
     def requirement_line(self) -> str:
         return f"{self.name}=={self.version} --hash=sha256:{self.sha256}"
@@ -71,15 +72,14 @@ def resolve_closure(requirements: tuple[str, ...], *, plan: BuildPlan, cache: Ca
     record = cache.resolutions / f"{key}.json"
     if record.is_file():
         wheels, problem = _read_resolution(record, plan)
-        missing = [w.filename for w in wheels or () if not cache.wheel_path(w.sha256, w.filename).is_file()]
+        missing = verify_cached_wheels(wheels, cache, log) if wheels is not None else []
         if wheels is not None and not missing:
-            verify_cached_wheels(wheels, cache)
             log.emit("wheelhouse", f"{purpose}: resolution cache hit, {len(wheels)} wheels", key=key[:12])
             return Resolution(key=key, wheels=wheels, cache_hit=True)
         if problem:
             log.emit("wheelhouse", f"{purpose}: the cached resolution {record.name} is unusable ({problem}); "
                      "resolving again")
-        if missing:  # e.g. evicted after failing its hash: fetch again rather than fail
+        if missing:  # e.g. evicted just now after failing its hash: fetch again rather than fail
             log.emit("wheelhouse", f"{purpose}: {len(missing)} cached wheel(s) missing, fetching again",
                      first=missing[0])
     log.emit("wheelhouse", f"{purpose}: resolving and downloading the Python closure with pip", key=key[:12])
@@ -90,17 +90,29 @@ def resolve_closure(requirements: tuple[str, ...], *, plan: BuildPlan, cache: Ca
     return Resolution(key=key, wheels=wheels, cache_hit=False)
 
 
-def verify_cached_wheels(wheels: tuple[Wheel, ...], cache: CacheLayout) -> None:
-    """Re-hash every cached wheel; a corrupt one is evicted and named, never used."""
-    for wheel in wheels:
-        path = cache.wheel_path(wheel.sha256, wheel.filename)
-        actual = sha256_file(path)
-        if actual != wheel.sha256:
-            shutil.rmtree(path.parent, ignore_errors=True)  # evict: the next run re-downloads it
-            raise BuildFailure(
-                f"cached wheel {path} is corrupt or tampered: sha256 {actual} != locked {wheel.sha256}. "
-                "It was removed from the cache",
-                "re-run the build: the wheel is fetched again and checked against the same hash")
+def verify_cached_wheels(wheels: tuple[Wheel, ...], cache: CacheLayout, log: EventLog) -> list[str]:
+    """The wheels not usable from the cache, which the caller downloads again in this build (each
+    download is hashed as it is stored): those missing, and those damaged, each evicted and named
+    in one WARN line. A damaged wheel is never used: a link or a FIFO is not read, one of another
+    size than recorded is not hashed, and the rest are re-hashed, never further than their size."""
+    paths = [cache.wheel_path(wheel.sha256, wheel.filename) for wheel in wheels]
+    unusable = [w.filename for w, path in zip(wheels, paths) if not path.exists() and not path.is_symlink()]
+    if unusable:
+        return unusable    # the closure is downloaded again anyway: hashing the rest would be wasted
+    for wheel, path in zip(wheels, paths):
+        try:
+            actual, _size = digest_nofollow(path, size=wheel.size)
+            why = "" if actual == wheel.sha256 else f"sha256 {actual} is not the locked {wheel.sha256}"
+        except UnsafeFile as exc:
+            why = str(exc).removeprefix(f"{path} ")
+        if why:
+            if path.parent.is_symlink():
+                path.parent.unlink()    # the link goes, never what it points to (rmtree follows none below)
+            else:
+                shutil.rmtree(path.parent, ignore_errors=True)
+            log.emit("wheelhouse", f"WARN: cached wheel {path} is damaged ({why}): evicted, downloading it again")
+            unusable.append(wheel.filename)
+    return unusable
 
 
 def _read_resolution(record: Path, plan: BuildPlan) -> tuple[tuple[Wheel, ...] | None, str]:
@@ -115,7 +127,8 @@ def _read_resolution(record: Path, plan: BuildPlan) -> tuple[tuple[Wheel, ...] |
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None, "unreadable"
     for w in wheels:
-        if not re.fullmatch(r"[0-9a-f]{64}", w.sha256) or "/" in w.filename or w.filename.startswith("."):
+        if not re.fullmatch(r"[0-9a-f]{64}", w.sha256) or "/" in w.filename or w.filename.startswith(".") or \
+                not (w.size is None or (type(w.size) is int and 0 < w.size < 1 << 40)):
             return None, f"an invalid entry {w.filename[:40]!r}"
     if not any(w.name == "torch" and w.sha256 == plan.torch_wheel.sha256 for w in wheels):
         return None, "it does not hold the pinned torch wheel"
@@ -159,10 +172,10 @@ def _store(path: Path, cache: CacheLayout) -> Wheel:
                            "every dependency must be available as a wheel for the image's platform") from None
     sha = sha256_file(path)
     dest = cache.wheel_path(sha, path.name)
-    if not dest.is_file():
+    if not dest.is_file() or dest.is_symlink():   # a planted link is replaced, never kept as the entry
         atomic.copy_file(path, dest)
     return Wheel(name=str(canonicalize_name(name)), version=metadata_version(path) or str(version),
-                 filename=path.name, sha256=sha)
+                 filename=path.name, sha256=sha, size=path.stat().st_size)
 
 
 def metadata_version(wheel: Path) -> str | None:

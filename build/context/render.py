@@ -102,7 +102,8 @@ def render_context(plan: BuildPlan, directory: Path, *, wheels: tuple[Wheel, ...
                    base_packages: tuple[DebPackage, ...] = (), force: bool = False,
                    sbom_epoch: int | None = None) -> RenderedContext:
     """Write the context into `directory` (see render_target.py for what may be replaced there).
-    Wheels are hard-linked from the cache."""
+    Wheels are hard-linked from the cache: each the file itself, never a link planted there, and
+    of the size its resolution recorded (cache.link_or_copy)."""
     epoch = source_date_epoch() if epoch is None else epoch
     base_refs = base_refs or {"builder": plan.spec.builder_base.describe(),
                               "runtime": plan.spec.runtime_base.describe()}
@@ -123,7 +124,8 @@ def _write(plan, directory, wheels, cache, kernel_wheels, base_refs, base_ids, e
     lock = make_lock(plan, wheels, kernel_wheels, base_ids)
     inputs: list[dict[str, str]] = []
     for wheel in wheels:
-        link_or_copy(cache.wheel_path(wheel.sha256, wheel.filename), directory / "wheelhouse" / wheel.filename)
+        link_or_copy(cache.wheel_path(wheel.sha256, wheel.filename), directory / "wheelhouse" / wheel.filename,
+                     size=wheel.size)
         inputs.append({"path": f"wheelhouse/{wheel.filename}", "sha256": wheel.sha256, "kind": "wheel"})
     all_wheels = list(wheels)
     for kw in kernel_wheels:
