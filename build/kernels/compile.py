@@ -13,7 +13,7 @@ import shutil
 import time
 from pathlib import Path
 
-from build.cache import CacheLayout, link_or_copy, sha256_file
+from build.cache import CacheLayout, UnsafeFile, copy_nofollow, link_or_copy, sha256_file
 from build.engine import Engine
 from build.errors import BuildFailure
 from build.kernels.archs import archs_of_wheel
@@ -61,12 +61,20 @@ def parallel_jobs(memory_per_job_gb: float, *, cores: int | None = None) -> int:
 
 
 def stage_inputs(inputs: Path, kernel: KernelPlan, sdist: Path) -> None:
-    """What the recipe reads: the sdist, the applicable patches in order, the scripts."""
+    """What the recipe reads: the sdist, the applicable patches in order, the scripts. Spec
+    validation checked each patch, but the file may have changed since: what is staged is the
+    file itself (never a link) and exactly the bytes the manifest pins, hashed as they are copied."""
     (inputs / "src").mkdir(parents=True)
     link_or_copy(sdist, inputs / "src" / sdist.name)
     (inputs / "patches").mkdir()
     for i, patch in enumerate(kernel.patches):
-        shutil.copyfile(REPO_ROOT / patch.path, inputs / "patches" / f"{i:02d}-{Path(patch.path).name}")
+        try:
+            copy_nofollow(REPO_ROOT / patch.path, inputs / "patches" / f"{i:02d}-{Path(patch.path).name}",
+                          sha256=patch.sha256)
+        except UnsafeFile as exc:
+            raise BuildFailure(f"the patch {patch.path} of {kernel.name} is not the file the manifest pins: "
+                               f"{exc}", f"restore {patch.path} from git, or re-pin its sha256 in "
+                               "kernels_manifest.yaml after reviewing the change") from None
     shutil.copyfile(RECIPE, inputs / "recipe.py")
     shutil.copyfile(CHECK_SCRIPT, inputs / "check.py")
 

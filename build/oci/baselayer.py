@@ -11,6 +11,10 @@ The last layer also gets the training user: its lines in passwd, group, shadow a
 (the shadow day is the base's own day), a home folder with /etc/skel's files, and /workspace,
 both owned by the user. Nothing runs to make these edits, and each added entry carries the
 base's own time, so the layer depends on the base and the user spec alone.
+
+The base's layers are input like any other: a member named outside the root (absolute, or
+through `..`), a hard link to nothing the layers so far hold, or an account or skeleton file
+over READ_CAP (it is edited in memory) is refused with the base named, before it is written.
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ from build.oci.tarlayer import DIR_MODE, FILE_MODE, LayerBlob, LayerWriter, Owne
 DROPPED = ("usr/share/python-wheels",)
 ACCOUNT_FILES = ("etc/passwd", "etc/group", "etc/shadow", "etc/gshadow")
 XATTR_PREFIXES = ("SCHILY.xattr.", "LIBARCHIVE.xattr.", "SCHILY.acl.")
+# The account and skeleton files are held in memory to be edited: a real one is a few KiB.
+READ_CAP = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -79,11 +85,34 @@ def _dropped(name: str) -> bool:
     return any(name == d or name.startswith(d + "/") for d in DROPPED)
 
 
+def _inside(name: str) -> bool:
+    """A member name that stays below the image's root: relative, and no `..` part."""
+    return not name.startswith("/") and ".." not in name.split("/")
+
+
+def _check_member(member: tarfile.TarInfo, name: str, layer: int, seen: set[str]) -> None:
+    """A base layer is input like any other: a member that would land outside the root, a hard
+    link to something no layer so far holds, or an account file too big to edit is refused."""
+    where = f"layer {layer} of the runtime base"
+    fix = "use another base: a container engine never writes such a layer"
+    if not _inside(member.name):
+        raise BuildFailure(f"{where} holds a member named {member.name[:200]!r}, outside the image's root", fix)
+    if member.islnk():
+        target = member.linkname.removeprefix("./").rstrip("/")
+        if not _inside(member.linkname) or target not in seen:
+            raise BuildFailure(f"/{name} in {where} is a hard link to {member.linkname[:200]!r}, which no layer "
+                               "so far holds", fix)
+    if member.isreg() and (name in ACCOUNT_FILES or name.startswith("etc/skel/")) and member.size > READ_CAP:
+        raise BuildFailure(f"/{name} in {where} holds {member.size} bytes, over the {READ_CAP >> 20} MiB an "
+                           "account or skeleton file may have to be edited", fix)
+
+
 def transform_layers(layers: list, user: TrainingUser, epoch: int, outputs: list[Path]) -> list[LayerBlob]:
     """`layers`: the base's layer tars as readable streams, oldest first; one output per layer."""
     lines = account_lines(user, epoch // 86400)
     captured: dict[str, tuple[tarfile.TarInfo, bytes]] = {}
     skel: dict[str, bytes] = {}
+    seen: set[str] = set()     # files of every layer so far: what a hard link may point to
     blobs = []
     for index, (stream, out) in enumerate(zip(layers, outputs, strict=True)):
         last = index == len(layers) - 1
@@ -95,12 +124,18 @@ def transform_layers(layers: list, user: TrainingUser, epoch: int, outputs: list
                     name = member.name.removeprefix("./").rstrip("/")
                     if _dropped(name):
                         continue
+                    if member.islnk() and _dropped(member.linkname.removeprefix("./")):
+                        raise BuildFailure(f"/{name} in the runtime base is a hard link into "
+                                           f"/{member.linkname}, which the image drops", "use another base")
+                    _check_member(member, name, index + 1, seen)
+                    if not member.isdir():
+                        seen.add(name)
                     member.uname = member.gname = ""
                     member.pax_headers = {k: v for k, v in member.pax_headers.items()
                                           if not k.startswith(XATTR_PREFIXES)}
                     if member.isreg():
                         member.mode &= ~0o6000
-                        data = source.extractfile(member).read() if name in ACCOUNT_FILES or \
+                        data = source.extractfile(member).read(READ_CAP) if name in ACCOUNT_FILES or \
                             name.startswith("etc/skel/") else None
                         if name.startswith("etc/skel/"):
                             skel[name.removeprefix("etc/skel/")] = data
@@ -116,15 +151,13 @@ def transform_layers(layers: list, user: TrainingUser, epoch: int, outputs: list
                             continue
                         writer.add_member(member, io.BytesIO(data) if data is not None else source.extractfile(member))
                     else:
-                        if member.islnk() and _dropped(member.linkname.removeprefix("./")):
-                            raise BuildFailure(f"/{name} in the runtime base is a hard link into "
-                                               f"/{member.linkname}, which the image drops", "use another base")
                         writer.add_member(member)
             if last:
                 _add_user(writer, user, lines, captured, written, skel)
             blobs.append(writer.close())
         except BaseException:
             writer.abort()
+            out.unlink(missing_ok=True)    # no half-written layer is left for anything to pick up
             raise
     return blobs
 
@@ -161,7 +194,8 @@ def base_layers(engine, cache: LayerCache, scratch: Path, base_ref: str, user: T
     keys = [layer_key("base", {"diff_ids": diff_ids[:i + 1], "user": [user.name, user.uid, user.gid],
                                "dropped": list(DROPPED), "last": i == len(diff_ids) - 1})
             for i in range(len(diff_ids))]
-    found = [cache.find(key) for key in keys]
+    found = [cache.find(key, {"name": "base", "created_by": _history(base_ref, i, len(keys), user), "mtime": epoch})
+             for i, key in enumerate(keys)]
     if all(found):
         return found
     saved = scratch / "base-image.tar"
