@@ -12,7 +12,10 @@ Import proves what it imports, entry by entry, and refuses the rest (exit 3):
   * the folder name is the key, and the key is recomputed from meta.json's `inputs`: an entry
     renamed to another key, or with edited inputs, does not match;
   * meta.json's kernel, version and archs agree with its inputs, the wheel is that kernel's
-    distribution, and the wheel and build log match their sha256;
+    distribution, and the wheel and build log match their sha256 (an entry with a build log
+    meta.json gives no sha256 for is refused: every export of this version carries it);
+  * what is copied into the cache is exactly the bytes that were hashed: no more than the size
+    each file had then, and the same sha256 again, hashed as they are copied;
   * the manifest lists the entry with the same wheel and meta.json digests, and the manifest's
     signature verifies with the key given.
 What only the signature proves: that the wheel is the one the signer's machine compiled from
@@ -24,13 +27,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
-from build.cache import sha256_file
+from build.cache import copy_nofollow, digest_nofollow
 from build.errors import BuildFailure
 from build.kernels.store import KEY, META, WHEEL, KernelStore
 from build.resolve import digest
@@ -40,6 +45,8 @@ MANIFEST = "export-manifest.json"
 SIGNATURE = MANIFEST + ".sig"
 BUILD_LOG = "build.log"
 META_LIMIT = 1 << 20
+LOG_LIMIT = 1 << 30    # a compile's log is megabytes; an entry is refused before a larger one is read
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 EXIT_REFUSED = 3
 
 
@@ -55,6 +62,7 @@ class ProvenEntry:
     directory: Path
     meta: dict
     files: tuple[str, ...]
+    proven: dict[str, tuple[str, int]]   # file -> (sha256, size) as hashed: what a copy must find again
 
 
 def _lstat(path: Path) -> os.stat_result | None:
@@ -73,16 +81,6 @@ def _read_small(path: Path, limit: int) -> bytes:
     return data
 
 
-def _copy_nofollow(src: Path, dest: Path) -> None:
-    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as fh, open(dest, "wb") as out:
-        while chunk := fh.read(1 << 20):
-            out.write(chunk)
-        out.flush()
-        os.fsync(out.fileno())
-    dest.chmod(0o644)
-
-
 def prove_entry(directory: Path, key: str) -> ProvenEntry:
     """Everything an entry can prove about itself; ValueError says what it cannot."""
     st = _lstat(directory)
@@ -91,10 +89,12 @@ def prove_entry(directory: Path, key: str) -> ProvenEntry:
     if not KEY.fullmatch(key):
         raise ValueError("its name is not a kernel key")
     names = sorted(os.listdir(directory))
+    sizes = {}
     for name in names:
         entry_st = _lstat(directory / name)
         if entry_st is None or not stat.S_ISREG(entry_st.st_mode):
             raise ValueError(f"{name} is not a regular file (symlinks and folders are never imported)")
+        sizes[name] = entry_st.st_size
     if META not in names:
         raise ValueError("it has no meta.json")
     meta = json.loads(_read_small(directory / META, META_LIMIT))
@@ -128,18 +128,32 @@ def prove_entry(directory: Path, key: str) -> ProvenEntry:
     if canonicalize_name(dist) != canonicalize_name(str(inputs.get("kernel", ""))) or \
             str(version) != str(inputs.get("version")):
         raise ValueError(f"{wheel} is not {inputs.get('kernel')} {inputs.get('version')}")
-    if sha256_file(directory / wheel) != meta.get("sha256"):
+    proven = {wheel: digest_nofollow(directory / wheel)}
+    if proven[wheel][0] != meta.get("sha256"):
         raise ValueError(f"{wheel} does not match meta.json's sha256")
-    if BUILD_LOG in names and meta.get("build_log_sha256") and \
-            sha256_file(directory / BUILD_LOG) != meta["build_log_sha256"]:
-        raise ValueError("build.log does not match meta.json's build_log_sha256")
-    return ProvenEntry(key=key, directory=directory, meta=meta, files=tuple(n for n in names if n != META))
+    if BUILD_LOG in names:
+        if not isinstance(meta.get("build_log_sha256"), str) or not SHA256_HEX.fullmatch(meta["build_log_sha256"]):
+            raise ValueError("meta.json gives no build_log_sha256 for its build.log, so the log cannot be checked: "
+                             "export it again with this version (its exports always carry it)")
+        if sizes[BUILD_LOG] > LOG_LIMIT:
+            raise ValueError(f"build.log is over {LOG_LIMIT >> 20} MiB")
+        proven[BUILD_LOG] = digest_nofollow(directory / BUILD_LOG)
+        if proven[BUILD_LOG][0] != meta["build_log_sha256"]:
+            raise ValueError("build.log does not match meta.json's build_log_sha256")
+    return ProvenEntry(key=key, directory=directory, meta=meta, files=tuple(n for n in names if n != META),
+                       proven=proven)
+
+
+def _copy_proven(entry: ProvenEntry, name: str, dest: Path) -> None:
+    """Copy one file of a proven entry: the bytes that were hashed, or an UnsafeFile (a ValueError)."""
+    sha256, size = entry.proven[name]
+    copy_nofollow(entry.directory / name, dest, size=size, sha256=sha256)
 
 
 def manifest_for(entries: list[ProvenEntry]) -> bytes:
     body = {"format": 1, "entries": {
         e.key: {"kernel": e.meta["kernel"], "version": e.meta["version"], "wheel": e.meta["wheel"],
-                "wheel_sha256": e.meta["sha256"], "meta_sha256": sha256_file(e.directory / META)}
+                "wheel_sha256": e.meta["sha256"], "meta_sha256": digest_nofollow(e.directory / META)[0]}
         for e in sorted(entries, key=lambda e: e.key)}}
     return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
 
@@ -154,15 +168,20 @@ def export(store: KernelStore, destination: Path, *, sign_key=None) -> tuple[lis
     skipped: list[tuple[str, str]] = []
     for entry in store.entries():
         try:
-            prove_entry(entry.directory, entry.key)
+            proven = prove_entry(entry.directory, entry.key)
         except (ValueError, OSError) as exc:
             skipped.append((entry.key, str(exc)))
             continue
         target = destination / entry.key
         staging = atomic.staging_dir(destination, entry.key[:16])
-        for name in (META, entry.meta["wheel"], BUILD_LOG):
-            if (entry.directory / name).is_file():
-                atomic.copy_file(entry.directory / name, staging / name)
+        try:
+            copy_nofollow(entry.directory / META, staging / META)
+            for name in proven.files:
+                _copy_proven(proven, name, staging / name)
+        except ValueError as exc:     # changed since it was proven: not exported, and nothing half-written
+            shutil.rmtree(staging, ignore_errors=True)
+            skipped.append((entry.key, str(exc)))
+            continue
         atomic.publish_dir(staging, target, replace=target.exists())
         written.append(prove_entry(target, entry.key))
     manifest = manifest_for(written)
@@ -234,7 +253,7 @@ def import_from(store: KernelStore, source: Path, *, public_key=None, trust_unsi
                 if not isinstance(record, dict):
                     raise ValueError(f"the {'signed ' if public_key is not None else ''}manifest does not list it")
                 if record.get("wheel_sha256") != entry.meta["sha256"] or \
-                        record.get("meta_sha256") != sha256_file(entry.directory / META):
+                        record.get("meta_sha256") != digest_nofollow(entry.directory / META)[0]:
                     raise ValueError("its wheel or meta.json is not the one the manifest lists")
         except (ValueError, OSError) as exc:
             rejected.append((name, str(exc)))
@@ -242,11 +261,17 @@ def import_from(store: KernelStore, source: Path, *, public_key=None, trust_unsi
         with store.lock(entry.key):
             if store.get(entry.key) is None:
                 staging = store.staging(entry.key)
-                for file in entry.files:
-                    _copy_nofollow(entry.directory / file, staging / file)
-                meta = {**entry.meta, "imported_from": str(source),
-                        "imported_signature": "verified" if public_key is not None else "none (--trust-unsigned)"}
-                store.publish(entry.key, staging, meta)
+                try:
+                    for file in entry.files:
+                        _copy_proven(entry, file, staging / file)
+                    meta = {**entry.meta, "imported_from": str(source),
+                            "imported_signature": "verified" if public_key is not None else "none (--trust-unsigned)"}
+                    store.publish(entry.key, staging, meta)
+                except ValueError as exc:    # changed since it was proven (grew, or other bytes)
+                    rejected.append((name, str(exc)))
+                    continue
+                finally:
+                    shutil.rmtree(staging, ignore_errors=True)   # gone already once published
         imported.append(entry.key)
     for key in sorted(set(listed or ()) - set(names)):
         rejected.append((key, "listed in the manifest but missing from the folder"))

@@ -177,3 +177,79 @@ def test_the_signature_is_cosign_compatible(exported):
     public = serialization.load_pem_public_key(exported["public"].read_bytes())
     signature = base64.b64decode((exported["dir"] / "export-manifest.json.sig").read_text().strip())
     public.verify(signature, (exported["dir"] / "export-manifest.json").read_bytes(), ec.ECDSA(hashes.SHA256()))
+
+
+def test_a_build_log_without_its_sha256_is_refused_and_never_exported(exported):
+    """meta.json covers every file of an entry: a build.log it gives no digest for is not imported
+    (nor, from a cache, exported), so an export of this version always carries the digest."""
+    key = exported["keys"][0]
+    meta_path = exported["dir"] / key / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["build_log_sha256"]
+    meta_path.write_text(json.dumps(meta, sort_keys=True))
+    _refused(exported, key, f"refused {key}: meta.json gives no build_log_sha256 for its build.log, so the log "
+             "cannot be checked: export it again with this version (its exports always carry it)")
+    source = exported["tmp"] / "src-cache" / "kernels" / key
+    (source / "meta.json").write_text(json.dumps(meta, sort_keys=True))
+    proc = run_build_cli("kernels", "export", str(exported["tmp"] / "again"), "--cache",
+                         str(exported["tmp"] / "src-cache"))
+    assert proc.returncode == 0 and f"skipped {key[:16]}: meta.json gives no build_log_sha256" in proc.stderr
+    assert not (exported["tmp"] / "again" / key).exists() and (exported["tmp"] / "again" / exported["keys"][1]).is_dir()
+
+
+@pytest.mark.parametrize("change", ["grows", "grows while copied", "other bytes, same size", "a link"])
+@pytest.mark.parametrize("which", ["wheel", "build.log"])
+def test_a_file_that_changes_after_it_was_proven_is_not_imported(exported, monkeypatch, change, which):
+    """The copy reads no further than the size that was hashed and hashes again as it copies: a
+    file that grows, or is swapped, between the proof and the copy (or during it) is refused, and
+    nothing of the entry is left in the cache."""
+    from build import cache as cache_module
+    from build.kernels import portable
+    from contracts.events import EventLog
+
+    key = exported["keys"][0]
+    entry = exported["dir"] / key
+    name = json.loads((entry / "meta.json").read_text())["wheel"] if which == "wheel" else "build.log"
+    target = entry / name
+    size = target.stat().st_size
+    outside = exported["tmp"] / "outside"
+    outside.write_bytes(target.read_bytes())
+    real = portable.prove_entry
+
+    def prove_then_change(directory, entry_key):
+        proven = real(directory, entry_key)
+        if entry_key == key:
+            if change == "grows":
+                with target.open("ab") as fh:
+                    fh.write(b"more")
+            elif change == "a link":
+                target.unlink()
+                target.symlink_to(outside)
+            else:
+                target.write_bytes(bytes(size))
+        return proven
+
+    real_open, opened = cache_module.open_regular, []
+
+    def open_then_grow(path, *, size=None):
+        fd = real_open(path, size=size)
+        opened.append(Path(path))
+        if Path(path) == target and opened.count(target) == 2:    # the first open hashed it, this one copies
+            with target.open("ab") as fh:
+                fh.write(b"more")
+        return fd
+
+    if change == "grows while copied":
+        monkeypatch.setattr(cache_module, "open_regular", open_then_grow)
+    else:
+        monkeypatch.setattr(portable, "prove_entry", prove_then_change)
+    store = KernelStore(CacheLayout(exported["tmp"] / "dest-cache"))
+    imported, rejected = portable.import_from(store, exported["dir"], trust_unsigned=True, log=EventLog(quiet=True))
+    why = {"grows": f"{target} holds {size + 4} bytes, but {size} are recorded for it",
+           "grows while copied": f"{target} grew while it was copied (past the {size} bytes it held)",
+           "a link": f"{target} is a symbolic link to {outside}",
+           "other bytes, same size": f"{target} has sha256 {hashlib.sha256(bytes(size)).hexdigest()}, but "
+                                     f"{hashlib.sha256(outside.read_bytes()).hexdigest()} is recorded for it"}[change]
+    assert rejected == [(key, why)] and imported == [exported["keys"][1]]
+    assert store.get(key) is None and not (store.root / key).exists()
+    assert not [p for p in store.root.iterdir() if p.name.startswith(".tmp-")]
