@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from build.cache import CacheLayout, sha256_file
+from build.cache import CacheLayout, UnsafeFile, copy_nofollow, sha256_file
 from build.errors import BuildFailure
 from contracts import atomic
 from contracts.schema import InvalidInput, Problem
@@ -321,17 +321,41 @@ def write_lock(base_dir: Path, lock: DebLock) -> Path:
 # ---- export / import ------------------------------------------------------------------------------
 
 def export_debs(locks: list[DebLock], cache: CacheLayout, directory: Path, log) -> int:
-    """Copy every locked .deb (fetched first if needed) and the locks into `directory`."""
+    """Copy every locked .deb (fetched first if needed) and the locks into `directory`. Each is
+    written to a temporary name there and renamed into place, so a name planted in the folder (a
+    link to a file elsewhere) is never written through; a link is refused rather than replaced.
+    The bytes copied are the lock's, hashed as they are copied from the cache."""
     directory.mkdir(parents=True, exist_ok=True)
     count = 0
     manifest = {}
     for lock in locks:
         for deb, path in zip(lock.debs, ensure_debs(lock, cache, log), strict=True):
-            shutil.copyfile(path, directory / deb.basename)
+            _export_one(deb, path, directory / deb.basename)
             manifest[deb.basename] = deb.sha256
             count += 1
     atomic.write_text(directory / "debs-manifest.json", json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return count
+
+
+def _export_one(deb: LockedDeb, cached: Path, target: Path) -> None:
+    if target.is_symlink():
+        raise DebLockErrors([Problem(str(target.parent), deb.basename, f"{target} is a symbolic link to "
+                                     f"{os.path.realpath(target)}: an export never writes through one",
+                                     f"remove {target}, or export into a new folder", "deb-not-a-file")])
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
+    os.close(fd)
+    partial = Path(tmp)
+    try:
+        partial.unlink()     # copy_nofollow creates its file anew, refusing any name already there
+        copy_nofollow(cached, partial, size=deb.size, sha256=deb.sha256)
+        os.replace(partial, target)
+    except UnsafeFile as exc:     # a damaged cache entry: evicted, so the next run fetches it again
+        cached.unlink(missing_ok=True)
+        raise DebLockErrors([Problem(LOCK_NAME, deb.package, f"the cached {exc}; it was removed from the cache",
+                                     "export again: the .deb is fetched again and checked against the lock",
+                                     "deb-sha256")]) from None
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def import_debs(locks: list[DebLock], cache: CacheLayout, directory: Path) -> int:
@@ -354,6 +378,18 @@ def import_debs(locks: list[DebLock], cache: CacheLayout, directory: Path) -> in
                                              "export the bases again (`python -m build bases export DIR`), or re-pin "
                                              "with `python -m build bases update` and review the change",
                                              "deb-size")])
-            _store(deb, deb_path(cache, deb), str(source), lambda partial, src=source: shutil.copyfile(src, partial))
+            _store(deb, deb_path(cache, deb), str(source), lambda partial, src=source, d=deb: _copy_in(src, partial, d))
             imported += 1
     return imported
+
+
+def _copy_in(source: Path, partial: Path, deb: LockedDeb) -> None:
+    """The checks above looked at the file; this reads it no further than the lock's size, and
+    never through a link put in its place since."""
+    partial.unlink()     # copy_nofollow creates its file anew
+    try:
+        copy_nofollow(source, partial, size=deb.size)
+    except UnsafeFile as exc:
+        raise DebLockErrors([Problem(str(source.parent), deb.basename, f"{exc} (it changed while it was imported)",
+                                     "make sure nothing writes to the export folder, then import again",
+                                     "deb-not-a-file")]) from None

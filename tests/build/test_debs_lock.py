@@ -175,6 +175,45 @@ def test_an_import_reads_no_link_and_no_byte_of_a_file_of_the_wrong_size(tmp_pat
     assert "holds 1073741824 bytes" in refused.value.render()
     assert not [p for p in (tmp_path / "cache-c").rglob("*") if p.is_file() and p.stat().st_size > 1 << 20]
 
+def test_an_export_never_writes_through_a_link_planted_in_its_folder(tmp_path, mirror):
+    root, url = mirror
+    lock = make_lock(root, url, {"base-files": b"one", "bash": b"two"})
+    exported = tmp_path / "export"
+    exported.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"keep me")
+    planted = exported / lock.debs[1].basename
+    planted.symlink_to(victim)
+    with pytest.raises(debs_lock.DebLockErrors) as refused:
+        debs_lock.export_debs([lock], CacheLayout(tmp_path / "cache"), exported, QUIET)
+    text = refused.value.render()
+    assert f"{planted} is a symbolic link to {victim}: an export never writes through one" in text
+    assert f"remove {planted}, or export into a new folder" in text
+    assert victim.read_bytes() == b"keep me" and planted.is_symlink()
+    assert sorted(p.name for p in exported.iterdir()) == sorted([lock.debs[0].basename, lock.debs[1].basename])
+    assert (exported / lock.debs[0].basename).read_bytes() == b"one"      # written whole, before the refusal
+
+
+def test_an_export_copies_the_locked_bytes_and_evicts_a_damaged_cache_entry(tmp_path, mirror):
+    """ensure_debs trusts a cached .deb of the lock's size; the export hashes what it copies, so
+    one edited in place at the same size is refused, removed from the cache and not exported."""
+    root, url = mirror
+    lock = make_lock(root, url, {"base-files": b"one", "bash": b"two"})
+    cache = CacheLayout(tmp_path / "cache")
+    paths = debs_lock.ensure_debs(lock, cache, QUIET)
+    paths[1].write_bytes(b"TWO")
+    exported = tmp_path / "export"
+    with pytest.raises(debs_lock.DebLockErrors) as refused:
+        debs_lock.export_debs([lock], cache, exported, QUIET)
+    text = refused.value.render()
+    assert (f"the cached {paths[1]} has sha256 {hashlib.sha256(b'TWO').hexdigest()}, but {lock.debs[1].sha256} is "
+            "recorded for it; it was removed from the cache") in text
+    assert not paths[1].exists() and not (exported / lock.debs[1].basename).exists()
+    assert not [p for p in exported.iterdir() if p.name.startswith(".tmp-")]
+    assert debs_lock.export_debs([lock], cache, exported, QUIET) == 2      # fetched again from the mirror
+    assert (exported / lock.debs[1].basename).read_bytes() == b"two"
+
+
 def test_the_committed_base_locks_load(tmp_path):
     """Every lock in images/_bases is valid, and pins the packages its base.yaml asks for."""
     found = 0
