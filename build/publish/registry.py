@@ -30,14 +30,23 @@ from typing import Any, Protocol
 
 from build.errors import BuildFailure
 from build.oci.image import OCI_MANIFEST, read_layout, sha256_digest
+from build.publish.deadline import Deadline, deadline, network_errors, watch_session
+from build.publish.redact import quote
 
 MANIFEST_TYPES = (OCI_MANIFEST, "application/vnd.docker.distribution.manifest.v2+json")
 MAX_DOCUMENT = 4 << 20      # manifests, configs, signatures and attestations are small; refuse a flood
-TIMEOUT = 60
+TIMEOUT = 60                # seconds an operation may take in all (an upload: plus its size at PUSH_RATE)
+PUSH_RATE = 256 << 10       # bytes per second an image blob upload may not fall below, on average
 
 
 class RegistryError(BuildFailure):
     """The registry refused or could not be reached (exit 1 in `--push`, 3 in verify-image)."""
+
+
+class ContentError(RegistryError):
+    """The registry answered, and what it serves is missing or is not what it is named by (a
+    blob that is not there, or whose bytes have another digest): the fault of the document that
+    points at it, not of the registry's reachability."""
 
 
 @dataclass(frozen=True)
@@ -52,14 +61,39 @@ def _plain_http(registry: str) -> bool:
 
 
 class Registry:
-    def __init__(self, registry: str, session=None, *, plain_http: bool = False):
-        """`plain_http`: also speak HTTP off loopback (a registry the engine lists as insecure)."""
+    def __init__(self, registry: str, session=None, *, plain_http: bool = False, timeout: float = TIMEOUT):
+        """`plain_http`: also speak HTTP off loopback (a registry the engine lists as insecure).
+        `timeout`: seconds each operation may take, wall clock, from connecting to the last byte."""
         import requests
 
         self.registry = registry
         self.base = f"{'http' if plain_http or _plain_http(registry) else 'https'}://{registry}/v2"
         self.session = session or requests.Session()
+        watch_session(self.session)
+        self.timeout = timeout
         self._token: str | None = None
+
+    @contextmanager
+    def _operation(self, what: str, seconds: float | None = None) -> Iterator[Deadline]:
+        """One operation ("serve the manifest ...") under a wall-clock deadline of `seconds`
+        (default: `timeout`): past it the connection is cut and RegistryError says so; any
+        network failure inside becomes a RegistryError that names it."""
+        with deadline(self.timeout if seconds is None else seconds) as bound:
+            try:
+                yield bound
+            except Exception as exc:
+                if bound.expired:      # whatever a cut connection made the reader say
+                    raise self._late(what, bound.seconds) from None
+                if isinstance(exc, network_errors()) and not isinstance(exc, RegistryError):
+                    raise RegistryError(f"lost {self.registry} while trying to {what}: {_cause(exc)}",
+                                        "check the network to the registry") from None
+                raise
+            if bound.expired:          # a body cut short without an error: never used
+                raise self._late(what, bound.seconds)
+
+    def _late(self, what: str, seconds: float) -> RegistryError:
+        return RegistryError(f"{self.registry} timed out: it did not {what} within {seconds:g}s",
+                             "check the network to the registry, and that the registry is not overloaded")
 
     # ---- auth ---------------------------------------------------------------------------------
 
@@ -93,8 +127,15 @@ class Registry:
         if answer.status_code != 200:
             raise RegistryError(f"{self.registry}'s token service refused: HTTP {answer.status_code}",
                                 f"`docker login {self.registry}` as an account with access")
-        body = answer.json()
-        self._token = "Bearer " + str(body.get("token") or body.get("access_token") or "")
+        try:
+            body = answer.json()
+        except ValueError:
+            body = None
+        token = (body.get("token") or body.get("access_token")) if isinstance(body, dict) else None
+        if not isinstance(token, str) or not re.fullmatch(r"[\x21-\x7e]{1,16384}", token):
+            raise RegistryError(f"{self.registry}'s token service answered without a usable token "
+                                "(not a JSON object holding one)", "check the registry's token service (its realm)")
+        self._token = "Bearer " + token
 
     def _send(self, method: str, url: str, *, authorize: bool = True, **kw):
         import requests
@@ -102,7 +143,7 @@ class Registry:
         headers = dict(kw.pop("headers", {}))
         if authorize and self._token:
             headers["Authorization"] = self._token
-        timeout = kw.pop("timeout", TIMEOUT)
+        timeout = kw.pop("timeout", (self.timeout, self.timeout))
         try:
             answer = self.session.request(method, url, headers=headers, timeout=timeout, **kw)
         except requests.exceptions.RequestException as exc:
@@ -117,8 +158,7 @@ class Registry:
 
     def _check(self, answer, what: str):
         if answer.status_code >= 400:
-            text = " ".join(answer.text.split())[:300]
-            raise RegistryError(f"{self.registry} refused to {what}: HTTP {answer.status_code} {text}",
+            raise RegistryError(f"{self.registry} refused to {what}: HTTP {answer.status_code} {quote(answer)}".strip(),
                                 "check the repository name and your access (`docker login`)")
         return answer
 
@@ -126,63 +166,74 @@ class Registry:
 
     def manifest(self, path: str, reference: str) -> tuple[Blob, str] | None:
         """(the manifest, its media type) by tag or digest; None when the registry has none."""
-        answer = self._send("GET", f"{self.base}/{path}/manifests/{reference}",
-                            headers={"Accept": ", ".join(MANIFEST_TYPES)}, stream=True)
-        if answer.status_code == 404:
-            return None
-        self._check(answer, f"serve the manifest {path}:{reference}")
-        data = _bounded(answer, "manifest")
-        digest = sha256_digest(data)
-        if reference.startswith("sha256:") and digest != reference:
-            raise RegistryError(f"{self.registry} served a manifest whose sha256 is {digest}, not {reference}",
-                                "the registry is corrupt or tampered with: do not deploy from it")
+        what = f"serve the manifest {path}:{reference}"
+        with self._operation(what):
+            answer = self._send("GET", f"{self.base}/{path}/manifests/{reference}",
+                                headers={"Accept": ", ".join(MANIFEST_TYPES)}, stream=True)
+            if answer.status_code == 404:
+                return None
+            self._check(answer, what)
+            data = _bounded(answer, "manifest")
+            digest = sha256_digest(data)
+            if reference.startswith("sha256:") and digest != reference:
+                raise ContentError(f"{self.registry} served a manifest whose sha256 is {digest}, not {reference}",
+                                   "the registry is corrupt or tampered with: do not deploy from it")
         media = answer.headers.get("Content-Type", "").split(";")[0]
         return Blob(digest, data), media
 
     def blob(self, path: str, digest: str) -> bytes:
-        answer = self._check(self._send("GET", f"{self.base}/{path}/blobs/{digest}", stream=True),
-                             f"serve the blob {digest[:19]}")
-        data = _bounded(answer, "blob")
-        if sha256_digest(data) != digest:
-            raise RegistryError(f"{self.registry} served blob {digest[:19]} with other content",
-                                "the registry is corrupt or tampered with: do not deploy from it")
+        with self._operation(f"serve the blob {digest[:19]}"):
+            answer = self._send("GET", f"{self.base}/{path}/blobs/{digest}", stream=True)
+            if answer.status_code == 404:
+                raise ContentError(f"{self.registry} has no blob {digest[:19]} in {path}",
+                                   "the document that names it points at nothing: push it again")
+            data = _bounded(self._check(answer, f"serve the blob {digest[:19]}"), "blob")
+            if sha256_digest(data) != digest:
+                raise ContentError(f"{self.registry} served blob {digest[:19]} with other content",
+                                   "the registry is corrupt or tampered with: do not deploy from it")
         return data
 
     # ---- writes -------------------------------------------------------------------------------
 
     def put_blob(self, path: str, data: bytes) -> str:
         digest = sha256_digest(data)
-        if not self.has_blob(path, digest):
-            self._check(self._send("PUT", self._start_upload(path), params={"digest": digest}, data=data,
-                                   headers={"Content-Type": "application/octet-stream"}), "store a blob")
+        with self._operation("store a blob", self.timeout + len(data) / PUSH_RATE):
+            if not self.has_blob(path, digest):
+                self._check(self._send("PUT", self._start_upload(path), params={"digest": digest}, data=data,
+                                       headers={"Content-Type": "application/octet-stream"}), "store a blob")
         return digest
 
     def _start_upload(self, path: str) -> str:
         """A new upload session's URL (the registry may answer with a path)."""
-        start = self._check(self._send("POST", f"{self.base}/{path}/blobs/uploads/"), "start an upload")
+        with self._operation("start an upload"):
+            start = self._check(self._send("POST", f"{self.base}/{path}/blobs/uploads/"), "start an upload")
         location = start.headers.get("Location", "")
         if not location:
             raise RegistryError(f"{self.registry} started an upload without a Location", "use an OCI registry")
         return self.base.rsplit("/v2", 1)[0] + location if location.startswith("/") else location
 
     def has_blob(self, path: str, digest: str) -> bool:
-        return self._send("HEAD", f"{self.base}/{path}/blobs/{digest}").status_code == 200
+        with self._operation(f"say whether it has blob {digest[:19]}"):
+            return self._send("HEAD", f"{self.base}/{path}/blobs/{digest}").status_code == 200
 
     def put_blob_file(self, path: str, file, digest: str, size: int) -> bool:
         """Upload a blob from a file, streamed (a venv layer is gigabytes); False when the registry
         had it already. The registry checks the digest against what it received."""
-        if self.has_blob(path, digest):
-            return False
-        location = self._start_upload(path)
-        with open(file, "rb") as fh:
-            self._check(self._send("PUT", location, params={"digest": digest}, data=fh, timeout=(TIMEOUT, 3600),
-                                   headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)}),
-                        f"store the blob {digest[:19]}")
+        with self._operation(f"store the blob {digest[:19]}", self.timeout + size / PUSH_RATE):
+            if self.has_blob(path, digest):
+                return False
+            location = self._start_upload(path)
+            with open(file, "rb") as fh:
+                self._check(self._send("PUT", location, params={"digest": digest}, data=fh,
+                                       timeout=(self.timeout, 3600), headers={
+                                           "Content-Type": "application/octet-stream", "Content-Length": str(size)}),
+                            f"store the blob {digest[:19]}")
         return True
 
     def put_manifest(self, path: str, tag: str, manifest: bytes, media_type: str = OCI_MANIFEST) -> str:
-        answer = self._check(self._send("PUT", f"{self.base}/{path}/manifests/{tag}", data=manifest,
-                                        headers={"Content-Type": media_type}), f"store the manifest {tag}")
+        with self._operation(f"store the manifest {tag}"):
+            answer = self._check(self._send("PUT", f"{self.base}/{path}/manifests/{tag}", data=manifest,
+                                            headers={"Content-Type": media_type}), f"store the manifest {tag}")
         stored = answer.headers.get("Docker-Content-Digest", "")
         if stored and stored != sha256_digest(manifest):
             raise RegistryError(f"{self.registry} stored the manifest as {stored}, not {sha256_digest(manifest)}",
