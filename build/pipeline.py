@@ -103,8 +103,9 @@ BUILDERS = ("oci", "dockerfile")
 def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: EventLog,
                 engine: Engine | None = None, force: bool = False, builder: str = "oci",
                 remote: RemoteCache | None = None) -> BuildReport:
-    """`remote`: the remote cache, read for what the local cache lacks; what this build used is
-    queued on it, for the caller to push (`remote.flush`) after any image push."""
+    """`remote`: the remote cache, read for what the local cache lacks; the kernel entries this
+    build used are pushed right after the kernel stage, its layers are queued on it for the
+    caller to push (`remote.flush`) after any image push."""
     started = time.monotonic()
     folder_guard.claim(out_dir, folder_guard.OUTPUT_MARKER, what="output folder", option="--out", force=force)
     timer = PhaseTimer(log)
@@ -126,8 +127,10 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
                                                 remote=remote.fetch_kernel if remote else None)
         for name, state in provided.states.items():
             report.cache[f"kernel:{name}"] = state
-        for entry in provided.entries.values() if remote else ():
-            remote.queue_kernel(entry)
+        if remote is not None:     # pushed now: what this build compiled is shared even if a later stage fails
+            for entry in provided.entries.values():
+                remote.queue_kernel(entry)
+            remote.flush()
     with timer("render"):
         locked_wheels = [LockedWheel(w.filename, w.sha256, cache.wheel_path(w.sha256, w.filename))
                          for w in resolution.wheels]

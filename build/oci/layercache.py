@@ -64,7 +64,9 @@ def _sha256(path: Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
-RemoteFetch = Callable[["LayerCache", str], "CachedLayer | None"]
+# (cache, key, expected): `expected` is the name, created_by and mtime this build gives that
+# key's layer, which a fetched entry's must equal (or None: no expectation)
+RemoteFetch = Callable[["LayerCache", str, "dict | None"], "CachedLayer | None"]
 
 
 class LayerCache:
@@ -95,17 +97,19 @@ class LayerCache:
             return None
         return layer
 
-    def find(self, key: str) -> CachedLayer | None:
-        """The layer for `key` from this cache, else from the remote cache (if any), else None."""
+    def find(self, key: str, expected: dict | None = None) -> CachedLayer | None:
+        """The layer for `key` from this cache, else from the remote cache (if any), else None.
+        `expected`: {"name", "created_by", "mtime"} this build gives the layer; a remote entry
+        that says otherwise is not used."""
         found = self.lookup(key)
         if found is None and self.remote is not None:
-            found = self.remote(self, key)
+            found = self.remote(self, key, expected)
         return found
 
     def get_or_make(self, key: str, name: str, created_by: str, mtime: int,
                     make: Callable[[Path], LayerBlob]) -> CachedLayer:
         """The cached layer for `key`, or `make(path)` writes it at `path` and it is published."""
-        found = self.find(key)
+        found = self.find(key, {"name": name, "created_by": created_by, "mtime": mtime})
         if found is not None:
             return found
         staging = self.staging()

@@ -8,9 +8,12 @@ An entry that fails any of that is named in one WARN line and the build makes it
 never used and never overwritten. A registry that is down, slow or refusing costs one WARN
 line and at most one timeout: from then on this build runs without it.
 
-What a build used is queued (`queue_kernel`, `queue_layer`) and pushed at the end (`flush`),
-after the image push, so a layer blob the image push already stored is found by a HEAD, or
-mounted from the image's repository, instead of being sent again.
+What a build used is queued (`queue_kernel`, `queue_layer`) and pushed by `flush`: the kernels
+right after the kernel stage (what a build compiled is shared even when a later stage fails),
+the layers at the end, after the image push, so a layer blob the image push already stored is
+found by a HEAD, or mounted from the image's repository, instead of being sent again. Nothing
+`flush` meets fails the build: a registry error marks the cache unavailable, an entry that
+cannot be read here is one WARN and is skipped.
 """
 from __future__ import annotations
 
@@ -24,7 +27,6 @@ from build.remote_cache.kernel_entries import fetch_kernel, kernel_manifest
 from build.remote_cache.layer_entries import fetch_layer, layer_manifest
 from build.remote_cache.options import RemoteCacheOptions
 from build.remote_cache.transport import CacheRegistry
-from build.remote_cache.trust import Untrusted, sign_entry, verify_entry
 from build.remote_cache.wire import (
     EMPTY_BLOB,
     KERNEL_ARTIFACT,
@@ -32,6 +34,7 @@ from build.remote_cache.wire import (
     LAYER_ARTIFACT,
     LAYER_LIMITS,
     Descriptor,
+    Untrusted,
     WireError,
     kernel_tag,
     layer_tag,
@@ -51,7 +54,7 @@ class _Pending:
 class RemoteCache:
     def __init__(self, options: RemoteCacheOptions, log: EventLog, *, client: CacheRegistry | None = None):
         self.options, self.log = options, log
-        self.client = client or CacheRegistry(options.registry, timeout=options.timeout)
+        self.client = client or CacheRegistry(options.registry, timeout=options.timeout, budget=options.budget)
         self.unavailable = ""                   # why the registry is no longer asked, once it failed
         self.refused: dict[str, str] = {}       # tag -> why its entry was not used (or not overwritten)
         self.hits: list[str] = []
@@ -94,6 +97,8 @@ class RemoteCache:
             return None
         layers = parse_manifest(data, artifact, limits)
         if self.options.public_key is not None:
+            from build.remote_cache.trust import verify_entry  # signing code only when it is used
+
             verify_entry(self.client, self.path, self.options.repository, sha256_digest(data),
                          self.options.public_key)
         return layers
@@ -133,25 +138,38 @@ class RemoteCache:
                           lambda layers: fetch_kernel(self.client, self.path, key, layers, store, provenance),
                           "compiling it here instead")
 
-    def fetch_layer(self, cache: LayerCache, key: str) -> CachedLayer | None:
-        """The layer for `key` from the registry, published into `cache`, or None: assemble it."""
+    def fetch_layer(self, cache: LayerCache, key: str, expected: dict | None = None) -> CachedLayer | None:
+        """The layer for `key` from the registry, published into `cache`, or None: assemble it.
+        `expected`: what this build makes for that key (its name, created_by and mtime); an entry
+        whose layer.json says otherwise is refused."""
         return self._read(layer_tag, key, LAYER_ARTIFACT, LAYER_LIMITS,
-                          lambda layers: fetch_layer(self.client, self.path, key, layers, cache),
+                          lambda layers: fetch_layer(self.client, self.path, key, layers, cache, expected),
                           "assembling it here instead")
 
     def kernel_state(self, key: str) -> str:
         """For `--plan`: "hit registry", "miss", or why the registry will not be used."""
+        return self._state(kernel_tag, key, KERNEL_ARTIFACT, KERNEL_LIMITS, "it would be compiled")
+
+    def layer_state(self, key: str) -> str:
+        """For `--plan`, a layer's: "hit registry", "miss", or why the registry will not be used."""
+        return self._state(layer_tag, key, LAYER_ARTIFACT, LAYER_LIMITS, "it would be assembled")
+
+    def _state(self, tag_of, key: str, artifact: str, limits: dict[str, int], doing: str) -> str:
         if not self.options.reads:
             return "miss (registry not read)"
         if not self._usable():
             return "miss (registry unavailable)"
         try:
-            layers = self._open(kernel_tag(key), KERNEL_ARTIFACT, KERNEL_LIMITS)
+            tag = tag_of(key)
+        except WireError as exc:
+            return f"miss ({exc})"
+        try:
+            layers = self._open(tag, artifact, limits)
         except RegistryError as exc:
             self._lost(exc)
             return "miss (registry unavailable)"
         except (Untrusted, ValueError) as exc:
-            self._refuse(f"kernel-{key}", str(exc), "it would be compiled")
+            self._refuse(tag, str(exc), doing)
             return "miss (registry entry refused)"
         return "hit registry" if layers is not None else "miss"
 
@@ -164,30 +182,36 @@ class RemoteCache:
         self.pending.layers[layer.key] = layer
 
     def flush(self, *, mount_from: str = "") -> None:
-        """Push every queued entry the registry lacks. `mount_from`: a repository on the same
-        registry the image was just pushed to (its layer blobs are mounted from there)."""
+        """Push every queued entry the registry lacks; never raises for the registry or an entry.
+        `mount_from`: a repository on the same registry the image was just pushed to (its layer
+        blobs are mounted from there)."""
         if not self.options.writes:
             return
-        for entry in self.pending.kernels.values():
-            self._push(kernel_tag(entry.key), KERNEL_ARTIFACT, KERNEL_LIMITS, *kernel_manifest(entry))
-        for layer in self.pending.layers.values():
-            self._push(layer_tag(layer.key), LAYER_ARTIFACT, LAYER_LIMITS, *layer_manifest(layer),
+        pending, self.pending = self.pending, _Pending()
+        before = len(self.pushed), len(self.already_there)
+        for entry in pending.kernels.values():
+            self._push(kernel_tag, entry.key, KERNEL_ARTIFACT, KERNEL_LIMITS, lambda e=entry: kernel_manifest(e))
+        for layer in pending.layers.values():
+            self._push(layer_tag, layer.key, LAYER_ARTIFACT, LAYER_LIMITS, lambda c=layer: layer_manifest(c),
                        mount_from=mount_from)
-        self.pending = _Pending()
-        if self.pushed or self.already_there:
-            self.log.emit("cache", f"remote cache {self.options.repository}: pushed {len(self.pushed)} entries, "
-                                   f"{len(self.already_there)} already there")
+        pushed, there = len(self.pushed) - before[0], len(self.already_there) - before[1]
+        if pushed or there:
+            self.log.emit("cache", f"remote cache {self.options.repository}: pushed {pushed} entries, "
+                                   f"{there} already there")
 
-    def _push(self, tag: str, artifact: str, limits: dict[str, int], manifest: bytes, blobs, *,
-              mount_from: str = "") -> None:
+    def _push(self, tag_of, key: str, artifact: str, limits: dict[str, int], make, *, mount_from: str = "") -> None:
         if not self._usable():
             return
         try:
+            tag = tag_of(key)
+            if tag in self.refused:
+                return     # an invalid entry is reported, never overwritten
             if self._valid_entry_there(tag, artifact, limits):
                 self.already_there.append(tag)
                 return
             if tag in self.refused:
-                return     # an invalid entry is reported, never overwritten
+                return     # found invalid just now
+            manifest, blobs = make()
             self.client.push_bytes(self.path, EMPTY_BLOB)
             for descriptor, source in blobs:
                 if isinstance(source, bytes):
@@ -196,11 +220,15 @@ class RemoteCache:
                     self.client.push_file(self.path, source, descriptor.digest, descriptor.size, mount_from)
             digest = sha256_digest(manifest)
             if self.options.sign_key is not None:   # first, so the tag never names an unsigned entry
+                from build.remote_cache.trust import sign_entry
+
                 sign_entry(self.client, self.path, self.options.repository, digest, self.options.sign_key)
             self.client.put_manifest(self.path, tag, manifest)
             self.pushed.append(tag)
         except RegistryError as exc:
             self._lost(exc)
+        except (OSError, ValueError) as exc:    # the local entry went unreadable, or a key is not one
+            self.log.emit("cache", f"WARN: remote cache: {str(key)[:64]} not pushed: {exc}")
 
     def _valid_entry_there(self, tag: str, artifact: str, limits: dict[str, int]) -> bool:
         """Whether `tag` already holds a valid entry (left alone); an invalid one is recorded in
@@ -212,6 +240,8 @@ class RemoteCache:
         try:
             layers = parse_manifest(data, artifact, limits)
             if self.options.sign_key is not None:
+                from build.remote_cache.trust import verify_entry
+
                 verify_entry(self.client, self.path, self.options.repository, sha256_digest(data),
                              self.options.sign_key.public_key())
         except (Untrusted, ValueError) as exc:
@@ -234,4 +264,11 @@ class RemoteCache:
                 "written": self.options.writes, "hits": len(self.hits), "pushed": len(self.pushed),
                 "already_there": len(self.already_there), "refused": dict(sorted(self.refused.items())),
                 "unavailable": self.unavailable, "bytes_pulled": self.client.bytes_pulled,
-                "bytes_pushed": self.client.bytes_pushed, "timeout_s": self.options.timeout}
+                "bytes_pushed": self.client.bytes_pushed, "timeout_s": self.options.timeout,
+                "budget_s": self.options.budget, "registry_s": round(self.client.spent, 1)}
+
+    def lock_record(self) -> dict[str, str]:
+        """What the image's lock records of this cache (build.lock.json's `build`): that entries
+        were used without a verified signature, only when --trust-unsigned-cache was given;
+        nothing otherwise, so the lock, and the image ID, are those of a build without it."""
+        return {"remote_cache_trust": "unsigned"} if self.options.trust_unsigned else {}

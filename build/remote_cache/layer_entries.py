@@ -3,7 +3,9 @@
 Pushed: the layer blob itself, with the image's own layer media type, so it is the same blob
 (same digest) the image push stores: in the image's repository a HEAD finds it, and from
 another repository on the same registry it is mounted instead of sent again; then layer.json.
-Fetched: layer.json first (small, bounded, every field checked), then the blob, streamed into a
+Fetched: layer.json first (small, bounded, every field checked, and its name, created_by and
+mtime compared with what this build makes for that key: they become the image's history, so
+an entry that says otherwise would change the image), then the blob, streamed into a
 LayerCache staging folder and hashed twice on the way: its digest, and the diffID (the sha256
 of the decompressed tar, gunzipped chunk by chunk in bounded memory), both against layer.json.
 Only then does LayerCache.publish rename it into place.
@@ -87,12 +89,24 @@ class _DiffId:
         return "sha256:" + self.sha.hexdigest()
 
 
+EXPECTED = ("name", "created_by", "mtime")     # what a build may say it expects of a key's layer
+
+
+def _as_expected(meta: dict, expected: dict | None) -> None:
+    for name, value in (expected or {}).items():
+        if name in EXPECTED and meta[name] != value:
+            raise WireError(f"its layer.json's {name} {str(meta[name])[:80]!r} is not what this build makes for "
+                            f"that key ({str(value)[:80]!r})")
+
+
 def fetch_layer(client: CacheRegistry, path: str, key: str, layers: dict[str, Descriptor],
-                cache: LayerCache) -> CachedLayer:
+                cache: LayerCache, expected: dict | None = None) -> CachedLayer:
     """Download, re-hash and publish one layer; ValueError (WireError) says what the entry gets
-    wrong, and nothing is left in the cache then."""
+    wrong, and nothing is left in the cache then. `expected`: the name, created_by and mtime
+    this build gives the layer of `key`; layer.json must say the same."""
     blob, meta_blob = layers[LAYER_MEDIA], layers[LAYER_META_MEDIA]
     meta = _layer_meta(client.small_blob(path, meta_blob.digest, MAX_META), blob)
+    _as_expected(meta, expected)
     staging = cache.staging()
     try:
         diff = _DiffId()

@@ -3,7 +3,7 @@
 What the options mean together:
   * `--cache-key PUB`: entries are read, and used only when their signature verifies with PUB;
   * `--trust-unsigned-cache`: entries are read and used on their own word (logged, and
-    recorded in the build report);
+    recorded in the build report and in the image's lock, `build.remote_cache_trust`);
   * neither: the registry is not read (`--plan` says so);
   * `--sign KEY`: every entry this build made or found locally is pushed, signed (cosign's
     simple-signing format, identity = the cache repository). Without `--sign`, entries are
@@ -24,6 +24,7 @@ from contracts.schema import InvalidInput, Problem
 ENV = "FTIMAGE_CACHE_REGISTRY"
 DEFAULT_TIMEOUT = 20.0
 MAX_TIMEOUT = 600.0
+BUDGET_TIMEOUTS = 30     # the registry time one build may spend in all, in timeouts
 
 
 class CacheOptionErrors(InvalidInput):
@@ -35,7 +36,7 @@ class CacheOptionErrors(InvalidInput):
 class RemoteCacheOptions:
     registry: str                  # host[:port]
     path: str                      # the repository inside it, e.g. team/ftimage-cache
-    timeout: float = DEFAULT_TIMEOUT   # seconds per request, to connect and between bytes
+    timeout: float = DEFAULT_TIMEOUT   # seconds per request, wall clock (a blob: plus 1 s per MiB)
     sign_key: Any = None           # private key: what is pushed is signed with it
     public_key: Any = None         # public key: what is used must verify with it
     trust_unsigned: bool = False   # use (and push) entries without a verified signature
@@ -43,6 +44,11 @@ class RemoteCacheOptions:
     @property
     def repository(self) -> str:
         return f"{self.registry}/{self.path}"
+
+    @property
+    def budget(self) -> float:
+        """Seconds the whole build may spend on the registry; then the cache is unavailable."""
+        return self.timeout * BUDGET_TIMEOUTS
 
     @property
     def reads(self) -> bool:
@@ -68,7 +74,7 @@ class RemoteCacheOptions:
             write = "written unsigned"
         else:
             write = "not written (pass --sign KEY)"
-        return f"{self.repository}: {read}; {write}; {self.timeout:g}s per request"
+        return f"{self.repository}: {read}; {write}; {self.timeout:g}s per request, {self.budget:g}s per build"
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -80,10 +86,13 @@ def add_options(p: argparse.ArgumentParser) -> None:
     trust.add_argument("--cache-key", metavar="PUB", type=Path, default=None,
                        help="use only remote cache entries whose signature verifies with this public key")
     trust.add_argument("--trust-unsigned-cache", action="store_true",
-                       help="use remote cache entries without a verified signature (logged, recorded in the report)")
+                       help="use remote cache entries without a verified signature (logged, and recorded in the "
+                            "build report and the image's lock)")
     group.add_argument("--cache-timeout", metavar="SECONDS", type=float, default=DEFAULT_TIMEOUT,
-                       help=f"seconds each remote cache request may take to connect and between bytes "
-                            f"(default {DEFAULT_TIMEOUT:g})")
+                       help=f"seconds each remote cache request may take in all, wall clock (a blob: plus 1 s "
+                            f"per MiB); the whole build spends at most {BUDGET_TIMEOUTS} times this on the "
+                            f"registry, then goes on without it (default {DEFAULT_TIMEOUT:g}: "
+                            f"{DEFAULT_TIMEOUT * BUDGET_TIMEOUTS:g} s per build)")
 
 
 def options_from_args(args: argparse.Namespace, *, sign_key=None) -> RemoteCacheOptions | None:

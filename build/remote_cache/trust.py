@@ -18,11 +18,10 @@ from build.publish.attest import (
     push_artifact,
     simple_signing_payload,
 )
-from build.publish.registry import Registry
+from build.publish.registry import ContentError, Registry
+from build.remote_cache.wire import Untrusted
 
-
-class Untrusted(Exception):
-    """The entry's signature is missing, made by another key, or for another entry."""
+__all__ = ["Untrusted", "sign_entry", "signature_tag", "verify_entry"]
 
 
 def signature_tag(digest: str) -> str:
@@ -37,11 +36,14 @@ def sign_entry(registry: Registry, path: str, repository: str, digest: str, key)
 
 
 def verify_entry(registry: Registry, path: str, repository: str, digest: str, key) -> str:
-    """What verified (for the log); Untrusted says why not. RegistryError when the registry
-    cannot be asked."""
-    if registry.manifest(path, signature_tag(digest)) is None:
-        raise Untrusted(f"it is unsigned (no {signature_tag(digest)} beside it)")
+    """What verified (for the log); Untrusted says why not (a signature that is missing, or
+    whose blob is missing or not its digest's, refuses this entry only). RegistryError when the
+    registry cannot be asked."""
     try:
+        if registry.manifest(path, signature_tag(digest)) is None:
+            raise Untrusted(f"it is unsigned (no {signature_tag(digest)} beside it)")
         return check_signature(registry, path, repository, digest, key)
     except Refused as exc:
         raise Untrusted(str(exc)) from None
+    except ContentError as exc:
+        raise Untrusted(f"its signature cannot be read: {exc}") from None

@@ -38,6 +38,11 @@ class WireError(ValueError):
     """What a stored entry, or a key asked for, gets wrong (the message says what)."""
 
 
+class Untrusted(Exception):
+    """The entry's signature is missing, made by another key, or for another entry (trust.py
+    checks it; it is defined here so that naming it imports no signing code)."""
+
+
 def check_key(key: str) -> str:
     """A cache key, refused before any request unless it is exactly 64 lowercase hex (no path,
     no control character, nothing a tag or URL could be bent with)."""
