@@ -71,13 +71,15 @@ def export(argv: list[str]) -> int:
 def finetune(argv: list[str]) -> int:
     if argv[:1] == ["export"]:
         return export(argv[1:])
-    from entrypoint.launcher.supervise import StopBeforeLaunch, Stops
+    from entrypoint.launcher.supervise import Stops, stop_behind
 
     with Stops() as stops:   # SIGINT/SIGTERM from here on: ends preflight, or reaches the workers (supervise.py)
         try:
             return _finetune(argv, stops)
-        except StopBeforeLaunch as exc:
-            return stopped_before_launch(exc, log)
+        except BaseException as exc:
+            if (stop := stop_behind(exc)) is None:
+                raise
+            return stopped_before_launch(stop, log)
 
 
 def stopped_before_launch(exc, say) -> int:
@@ -90,7 +92,7 @@ def _finetune(argv: list[str], stops) -> int:
     from contracts.events import EventLog
     from contracts.finetune_config import ConfigError
     from entrypoint.launcher.preflight import FinetuneError, prepare, print_config
-    from entrypoint.launcher.supervise import StopBeforeLaunch, run_agent
+    from entrypoint.launcher.supervise import run_agent, stop_behind
     from entrypoint.observability.console import JSON_LOGS_ENV
 
     args = finetune_parser().parse_intermixed_args(argv)   # KEY=VALUE before or after the flags
@@ -112,8 +114,10 @@ def _finetune(argv: list[str], stops) -> int:
     except (ConfigError, FinetuneError) as exc:
         fail(str(exc), getattr(exc, "fix", ""))
         return getattr(exc, "exit_code", EXIT_USAGE)
-    except StopBeforeLaunch as exc:
-        return stopped_before_launch(exc, say)
+    except BaseException as exc:   # a stop, or an error a library's cleanup raised in front of one
+        if (stop := stop_behind(exc)) is None:
+            raise
+        return stopped_before_launch(stop, say)
     if launch is None:   # nothing to do (a finished run): prepare said so
         return 0
     if args.dry_run:

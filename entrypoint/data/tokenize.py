@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,8 +226,22 @@ def tokenize_source(source, tokenizer, cfg, cache_dir: Path, *, schema: str, eve
     from contracts import atomic
 
     staging = atomic.staging_dir(cache_dir, f"tokenized-{key}")
-    rows, raw = load_rows(source, cache_dir=cache_dir / "raw", max_row_bytes=cfg.max_row_bytes,
-                     max_row_group_bytes=cfg.max_row_group_bytes, max_rows=cfg.max_rows)
+    try:
+        done = _tokenize_into(staging, source, tokenizer, cfg, opts, key, events)
+        done["files"] = [str(out_dir / name) for name in done["files"]]
+        atomic.write_json(staging / "summary.json", done, sort_keys=True)
+        atomic.publish_dir(staging, out_dir, replace=True)   # the corpus appears whole or not at all
+    finally:
+        # a stop (the launcher's signal handler raises) or an error while tokenizing: no half-written
+        # corpus stays in the cache; once published, the staging folder is gone already
+        shutil.rmtree(staging, ignore_errors=True)
+    return done
+
+
+def _tokenize_into(staging: Path, source, tokenizer, cfg, opts: EncodeOptions, key: str, events) -> dict:
+    """Dataset.map's Arrow files written into `staging`; {files (names), bad, n_rows, fingerprint, source}."""
+    rows, raw = load_rows(source, cache_dir=staging.parent / "raw", max_row_bytes=cfg.max_row_bytes,
+                          max_row_group_bytes=cfg.max_row_group_bytes, max_rows=cfg.max_rows)
     import datasets
 
     ints = datasets.Sequence(datasets.Value("int32"))
@@ -257,12 +272,7 @@ def tokenize_source(source, tokenizer, cfg, cache_dir: Path, *, schema: str, eve
     bad.reasoning_dropped = int(table.column("reasoning_dropped").to_numpy(zero_copy_only=False).sum())
     files = sorted(Path(f["filename"]).name for f in mapped.cache_files)
     del mapped, table, rows
-    from contracts import atomic
-
-    done = {"files": [str(out_dir / name) for name in files], "bad": bad.to_dict(), "n_rows": int(len(reasons)),
-            "fingerprint": key, "source": source.path}
     for leftover in staging.glob("cache-*"):   # datasets' own temp files: not part of the corpus
         leftover.unlink()
-    atomic.write_json(staging / "summary.json", done, sort_keys=True)
-    atomic.publish_dir(staging, out_dir, replace=True)   # the corpus appears whole or not at all
-    return done
+    return {"files": files, "bad": bad.to_dict(), "n_rows": int(len(reasons)), "fingerprint": key,
+            "source": source.path}

@@ -4,7 +4,8 @@ into checkpoints, and (with --json-logs) make every line of output a JSON event.
 Stop signals. Ctrl-C (SIGINT) and SIGTERM (`docker stop`, a preempted pod) reach the launcher;
 the agent and its workers live in other sessions, so a terminal never signals them directly.
   * before `launching:` (verify, tokenising) one ends the launcher there: StopBeforeLaunch, exit
-    128 + N, with nothing trained and nothing to save (the verify and tokenizer processes end too);
+    128 + N, with nothing trained and nothing to save (the verify and tokenizer processes end too,
+    and no half-tokenized corpus stays in the cache);
   * from `launching:` on, the first one is recorded and passed to each worker as soon as it can
     take it (stop_request.py: none is lost to a worker still starting), which checkpoints at the
     next step boundary or out of an evaluation, writes run_report.json with `interrupted: true`
@@ -44,6 +45,19 @@ class StopBeforeLaunch(BaseException):
         self.signum = signum
 
 
+def stop_behind(exc: BaseException) -> StopBeforeLaunch | None:
+    """The stop an error stands in front of: a library's cleanup that raises while a stop unwinds
+    through it (datasets' map, asking its interrupted pool for results) replaces the stop with its own
+    error, and keeps the stop only as that error's context."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, StopBeforeLaunch):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__context__
+    return None
+
+
 class Stops:
     """Every stop signal the launcher gets, `with` it: before `hand_over()` one raises
     StopBeforeLaunch wherever the launcher is; after, it is recorded for the Supervisor."""
@@ -52,9 +66,11 @@ class Stops:
         self.received: list[int] = []
         self.handing_over = False
         self.previous: dict = {}
+        self.owner = os.getpid()
 
     def __enter__(self) -> Stops:
         if threading.current_thread() is threading.main_thread():
+            self.owner = os.getpid()
             self.previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         return self
 
@@ -64,9 +80,20 @@ class Stops:
         self.previous = {}
 
     def hand_over(self) -> None:
+        """From here a stop is kept for the workers. One that came before and never unwound the
+        launcher (raised where Python prints an exception and goes on: a fork handler of the
+        tokenizer pool, a finaliser) ends the launch here, before any worker starts."""
+        if self.received and not self.handing_over:
+            raise StopBeforeLaunch(self.received[0])
         self.handing_over = True
 
     def _on_signal(self, signum, _frame) -> None:
+        if os.getpid() != self.owner:
+            # a forked helper (datasets' tokenizer pool) inherited this handler: it ends as the signal
+            # ends any process, quietly; the launcher itself unwinds and says why
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         self.received.append(signum)
         if not self.handing_over:
             raise StopBeforeLaunch(signum)

@@ -291,6 +291,29 @@ def test_a_10000_document_mixture_gives_each_source_its_share(tokenizer, tmp_pat
     assert any("runs 5 passes" in line for line in said)   # 1000 documents fill a 50% share of 10000
 
 
+def test_tokenizing_that_fails_leaves_no_staging_folder_in_the_cache(tokenizer, tmp_path, monkeypatch):
+    """The corpus is published whole or not at all: an error (or a stop) inside Dataset.map removes
+    the half-written .tmp-tokenized-* folder, and a rerun publishes the corpus."""
+    from entrypoint.data import tokenize
+    from entrypoint.data.sources import resolve
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in _schema_rows("messages")[0]))
+    cache, source, data = tmp_path / "cache", resolve(str(path)), _cfg(path=str(path)).data
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("the tokenizer broke")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tokenize, "tokenize_batch", broken)
+        with pytest.raises(RuntimeError, match="the tokenizer broke"):
+            tokenize.tokenize_source(source, tokenizer, data, cache, schema="messages")
+    assert [p.name for p in cache.iterdir()] == ["raw"]   # datasets' row cache; no corpus, whole or half
+    done = tokenize.tokenize_source(source, tokenizer, data, cache, schema="messages")
+    assert done["n_rows"] == 8
+    assert sorted(p.name for p in cache.iterdir()) == ["raw", f"tokenized-{done['fingerprint']}"]
+
+
 def test_eval_fraction_holds_out_whole_documents_deterministically(tokenizer, tmp_path):
     from entrypoint.data.corpus import read_corpus
     from entrypoint.data.corpus_build import build

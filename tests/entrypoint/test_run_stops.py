@@ -15,7 +15,14 @@ import pytest
 
 from entrypoint.checkpoint.dcp import list_checkpoints
 from entrypoint.launcher.stop_request import HOLD_ENV, STOP_DIR_ENV
-from tests.fixtures.chat import REPO, entrypoint_env, finetune_metrics, run_entrypoint
+from tests.fixtures.chat import (
+    REPO,
+    entrypoint_env,
+    finetune_metrics,
+    run_entrypoint,
+    synthetic_conversations,
+    write_jsonl,
+)
 from tests.fixtures.processes import descendants
 
 LONG_EVAL = ("data.eval_fraction=0.1", "train.eval_every=2", "eval.samples=1024", "eval.max_new_tokens=4096")
@@ -166,6 +173,28 @@ def test_sigterm_before_launching_ends_the_launcher_there(fixture_dir, tmp_path)
     assert "launching:" not in text and not (out / "checkpoints").exists()
 
 
+@pytest.mark.training
+def test_sigterm_while_tokenizing_leaves_no_process_and_no_half_written_corpus(fixture_dir, tmp_path):
+    out, log, data = tmp_path / "out", tmp_path / "run.log", tmp_path / "big.jsonl"
+    write_jsonl(data, synthetic_conversations(30000, seed=1))   # seconds of tokenizing, even on two processes
+    proc = _start(fixture_dir, out, log, f"data.path={data}", "data.num_proc=2", "checkpoint.export=false")
+    cache = out / ".cache" / "corpus"
+    # the pool is up and writing into the staging folder: the stop lands in the middle of Dataset.map
+    _wait_until(lambda: any(p.is_file() for p in cache.glob(".tmp-tokenized-*/*")), proc, log, timeout=300)
+    tree = descendants(proc.pid)        # the tokenizer processes
+    assert len(tree) >= 2, tree
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "stopped by SIGTERM before any worker started" in text and "launching:" not in text
+    assert "Traceback" not in text, text[-3000:]   # nor from a tokenizer process the pool ended
+    assert not list(cache.glob(".tmp-*")) and not list(cache.glob("tokenized-*"))   # cut short: nothing kept
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in tree):
+        assert time.monotonic() < deadline, [p for p in tree if _alive(p)]
+        time.sleep(0.1)
+
+
 @pytest.mark.unit
 def test_a_worker_checks_in_then_reads_the_stop_recorded_before_it_was_ready(tmp_path):
     worker = ("from entrypoint.launcher.stop_request import StopRequest\n"
@@ -191,8 +220,46 @@ def test_the_launcher_raises_on_a_stop_before_hand_over_and_records_one_after():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1)
         assert raised.value.signum == signal.SIGTERM
+    with Stops() as stops:
         stops.hand_over()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.1)
         assert stops.received == [signal.SIGTERM, signal.SIGTERM]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.unit
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")   # the swallowing, on purpose
+def test_a_stop_whose_exception_python_swallowed_still_ends_the_launch_at_hand_over():
+    """The handler raises wherever the main thread is; where Python prints an exception and goes on
+    (a finaliser here, a fork handler while the tokenizer pool starts), the stop must not be lost."""
+    from entrypoint.launcher.supervise import StopBeforeLaunch, Stops
+
+    class Finaliser:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)   # the handler runs, and raises, in here
+
+    with Stops() as stops:
+        Finaliser()   # dropped at once: "Exception ignored in ...", and the launch goes on
+        with pytest.raises(StopBeforeLaunch) as raised:
+            stops.hand_over()
+    assert raised.value.signum == signal.SIGTERM and not stops.handing_over
+
+
+@pytest.mark.unit
+def test_a_forked_helper_ends_on_the_signal_instead_of_raising_the_launchers_stop():
+    """datasets' pool forks the launcher, handler and all; the pool ends its processes with SIGTERM."""
+    from entrypoint.launcher.supervise import Stops
+
+    with Stops():
+        child = os.fork()
+        if child == 0:   # never back into the test runner: any way out but the signal is exit 3
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(10)
+            finally:
+                os._exit(3)
+        _, status = os.waitpid(child, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
