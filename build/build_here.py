@@ -5,9 +5,16 @@ It runs the same recipe (recipe.py) with the same pinned sdists, patches, knobs 
 specialisation as an image build, and the same GPU-free checks; only the toolchain is the
 one installed here instead of the pinned one. Used to prove the kernels on a bare GPU host
 (bench/gpu_proof), where the image's own toolchain (another Python) cannot run.
+
+Each kernel is looked up as an image build looks it up: the local kernel cache, then the
+remote cache (`--cache-registry`, verified as for a build), then compiled; a sound wheel
+compiled here enters the local cache and, with a remote cache that is written, the registry.
+Its key is this host's own (the torch installed here is one of its inputs), so an entry made
+here never stands in for an image's.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -17,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from build import proc
 from build.cache import CacheLayout, sha256_file
@@ -26,6 +34,7 @@ from build.kernels.archs import archs_of_wheel
 from build.kernels.compile import RECIPE, parallel_jobs, stage_inputs
 from build.kernels.pinned_sources import fetch_pinned
 from build.kernels.progress import CompileProgress
+from build.kernels.store import KernelEntry, KernelStore
 from build.kernels.wheel import KernelWheel
 from build.kernels.wheel_checks import (
     CheckRow,
@@ -44,6 +53,9 @@ from contracts.events import EventLog
 from contracts.lock import LockedPackage
 from contracts.schema import Problems
 
+if TYPE_CHECKING:   # made by the CLI, only called here
+    from build.remote_cache import RemoteCache
+
 
 @dataclass
 class HostKernel:
@@ -53,6 +65,11 @@ class HostKernel:
     jobs: int = 0
     sources: int = 0
     rows: list[CheckRow] = field(default_factory=list)
+    observed: dict[str, Any] = field(default_factory=dict)   # what the recipe saw (versions)
+    sass: tuple[str, ...] = ()
+    ptx: tuple[str, ...] = ()
+    log: Path | None = None        # the compiler's output
+    entry: KernelEntry | None = None    # its local cache entry, once its checks passed
 
 
 def plan_here(image_dir: Path, manifest_path: Path, archs: tuple[str, ...]) -> BuildPlan:
@@ -116,27 +133,72 @@ def compile_here(kernel: KernelPlan, plan: BuildPlan, *, cache: CacheLayout, wor
     rows = parse_rows(output) or [CheckRow(kernel.name, "import checks", "FAIL", "the check script printed no result",
                                            "see the build log")]
     observed = json.loads((out / "observed.json").read_text())
-    rows += version_rows(kernel.name, observed, plan.toolchain) + arch_rows(kernel.name, archs_of_wheel(wheels[0]),
-                                                                            kernel.archs)
+    report = archs_of_wheel(wheels[0])
+    rows += version_rows(kernel.name, observed, plan.toolchain) + arch_rows(kernel.name, report, kernel.archs)
     return HostKernel(name=kernel.name, wheel=wheels[0], seconds=round(seconds, 1), jobs=jobs,
-                      sources=kernel.estimate.sources if kernel.estimate else 0, rows=rows)
+                      sources=kernel.estimate.sources if kernel.estimate else 0, rows=rows, observed=observed,
+                      sass=tuple(report.sass), ptx=tuple(report.ptx), log=work / "build.log")
+
+
+def cache_compiled(kernel: KernelPlan, built: HostKernel, store: KernelStore) -> KernelEntry:
+    """A wheel compiled here, its checks passed, published into the local kernel cache with the
+    meta.json an image build writes (compile.py), so it proves itself wherever it is fetched."""
+    staging = store.staging(kernel.key)
+    try:
+        shutil.copyfile(built.wheel, staging / built.wheel.name)
+        output = built.log.read_bytes() if built.log is not None and built.log.is_file() else b""
+        (staging / "build.log").write_bytes(output)
+        meta = {"kernel": kernel.name, "version": kernel.version, "wheel": built.wheel.name,
+                "sha256": sha256_file(staging / built.wheel.name), "inputs": kernel.key_inputs,
+                "observed": built.observed, "archs": {"sass": list(built.sass), "ptx": list(built.ptx)},
+                "build_log_sha256": hashlib.sha256(output).hexdigest(), "duration_s": built.seconds,
+                "max_jobs": built.jobs, "created": int(time.time()), "patches": [p.path for p in kernel.patches]}
+        return store.publish(kernel.key, staging, meta)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def cached_or_fetched(kernels: list[KernelPlan], store: KernelStore, remote: RemoteCache | None,
+                      log: EventLog) -> tuple[dict[str, KernelEntry], dict[str, str]]:
+    """The kernels found in the local cache, else in the remote cache, by name; and each one's
+    state ("hit local", "hit registry"). The rest are compiled."""
+    found: dict[str, KernelEntry] = {}
+    states: dict[str, str] = {}
+    for kernel in kernels:
+        with store.lock(kernel.key):
+            entry, state = store.get(kernel.key), "hit local"
+            if entry is None and remote is not None:
+                entry, state = remote.fetch_kernel(store, kernel.key), "hit registry"
+        if entry is not None:
+            found[kernel.name], states[kernel.name] = entry, state
+            log.emit("kernels", f"{'remote ' if state == 'hit registry' else ''}cache hit: {kernel.name} "
+                     f"{kernel.version} (nothing to compile)", step=kernel.name, key=kernel.key[:16])
+    return found, states
 
 
 def build_here(image_dir: Path, *, manifest_path: Path, cache: CacheLayout, out: Path, archs: tuple[str, ...],
                log: EventLog, cores: int | None = None, install: Path | None = None, lock_path: Path | None = None,
-               force: bool = False) -> dict:
+               force: bool = False, remote: RemoteCache | None = None) -> dict:
+    """`remote`: the remote cache (`--cache-registry`), asked for what the local cache lacks,
+    and handed what was compiled or found locally (pushed when it is written)."""
     plan = plan_here(image_dir, manifest_path, archs)
     folder_guard.claim(out, folder_guard.OUTPUT_MARKER, what="output folder", option="--out", force=force)
     (out / "wheels").mkdir(exist_ok=True)
-    compiled = [k for k in plan.kernels if k.compiled]
+    store = KernelStore(cache)
+    found, states = cached_or_fetched([k for k in plan.kernels if k.compiled], store, remote, log)
+    compiled = [k for k in plan.kernels if k.compiled and k.name not in found]
     jobs = split_jobs(compiled, cores or os.cpu_count() or 1)
     results: dict[str, HostKernel] = {}
     errors: dict[str, BaseException] = {}
 
     def worker(kernel: KernelPlan) -> None:
         try:
-            results[kernel.name] = compile_here(kernel, plan, cache=cache, work=out / "work" / kernel.name,
-                                                jobs=jobs[kernel.name], log=log)
+            with store.lock(kernel.key):
+                built = compile_here(kernel, plan, cache=cache, work=out / "work" / kernel.name,
+                                     jobs=jobs[kernel.name], log=log)
+                if all(row.status != "FAIL" for row in built.rows):    # only a sound wheel is cached
+                    built.entry = cache_compiled(kernel, built, store)
+            results[kernel.name] = built
         except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread below
             errors[kernel.name] = exc
 
@@ -151,17 +213,26 @@ def build_here(image_dir: Path, *, manifest_path: Path, cache: CacheLayout, out:
             raise exc
         raise BuildFailure(f"compiling {name} crashed: {type(exc).__name__}: {exc}", "see the log above")
     rows = [r for k in compiled for r in results[k.name].rows]
-    log.emit("check", f"checks:\n{render_rows(rows)}")
+    if rows:
+        log.emit("check", f"checks:\n{render_rows(rows)}")
     fail_on(rows, "a kernel built here is unsound")
+    for kernel in compiled:
+        found[kernel.name] = results[kernel.name].entry
+        states[kernel.name] = f"miss (compiled in {results[kernel.name].seconds:.0f}s)"
+    if remote is not None:
+        for name, entry in found.items():
+            if states[name] != "hit registry":
+                remote.queue_kernel(entry)
+        remote.flush()
     kernel_wheels = []
     for kernel in plan.kernels:
         if kernel.compiled:
-            built = results[kernel.name]
-            dest = out / "wheels" / built.wheel.name
-            shutil.copyfile(built.wheel, dest)
+            entry = found[kernel.name]
+            dest = out / "wheels" / entry.wheel.name
+            shutil.copyfile(entry.wheel, dest)
             kernel_wheels.append(KernelWheel(name=kernel.name, key=kernel.key, filename=dest.name,
                                              sha256=sha256_file(dest), path=dest,
-                                             archs=tuple(archs_of_wheel(dest).sass)))
+                                             archs=tuple(entry.meta["archs"]["sass"])))
         else:
             for source in kernel.sources:
                 path = fetch_pinned(source, cache, log)
@@ -180,15 +251,20 @@ def build_here(image_dir: Path, *, manifest_path: Path, cache: CacheLayout, out:
                                   "wheel_bytes": r.wheel.stat().st_size,
                                   "checks": [f"{x.check}: {x.status}" for x in r.rows]}
                            for name, r in results.items()},
+               "cache": dict(sorted(states.items())),
                "specialisation": {k.name: k.to_dict()["specialisation"] for k in plan.kernels}}
+    if remote is not None:
+        summary["remote_cache"] = remote.record()
     atomic.write_json(out / "compile.json", summary, sort_keys=True)
     if lock_path:
-        atomic.write_text(lock_path, host_lock(plan, tuple(kernel_wheels)).to_json())
+        lock = host_lock(plan, tuple(kernel_wheels), build=remote.lock_record() if remote is not None else None)
+        atomic.write_text(lock_path, lock.to_json())
     return summary
 
 
-def host_lock(plan: BuildPlan, kernel_wheels: tuple[KernelWheel, ...]):
-    """The lock for this machine: the kernels built here, and the torch and transformers it has."""
+def host_lock(plan: BuildPlan, kernel_wheels: tuple[KernelWheel, ...], build: dict[str, str] | None = None):
+    """The lock for this machine: the kernels built here, and the torch and transformers it has.
+    `build`: what the lock records of how they were made (BuildLock.build)."""
     import importlib.metadata as md
 
     packages = []
@@ -198,4 +274,4 @@ def host_lock(plan: BuildPlan, kernel_wheels: tuple[KernelWheel, ...]):
         except md.PackageNotFoundError:
             pass
     transformers = next((p.version for p in packages if p.name == "transformers"), "")
-    return make_lock(plan, (), kernel_wheels, {}, packages=tuple(packages), transformers=transformers)
+    return make_lock(plan, (), kernel_wheels, {}, packages=tuple(packages), transformers=transformers, build=build)

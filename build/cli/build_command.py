@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from build.cache import CacheLayout
-from build.cli.common import EPILOG, EXIT_OK, add_common_options, open_cache
+from build.cli.common import EPILOG, EXIT_OK, add_common_options, open_cache, open_remote
 from build.context import render_target
 from build.errors import SigningError
 from build.remote_cache.options import add_options as add_remote_options
@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
         from build.kernels import expected_costs
 
         cache = open_cache(args.cache, write=False)
-        remote = _remote(remote_options, log)
+        remote = open_remote(remote_options, log)
         costs = expected_costs(plan, cache, remote.kernel_state if remote else None)
         if args.json:
             data = json.loads(plan.to_json())
@@ -109,7 +109,7 @@ def main(argv: list[str]) -> int:
         print(f"rendered {context.files} files into {args.render} (context sha256 {context.digest[:16]})")
         print("note: compiled kernel wheels are added by a full build; bases are named, not bootstrapped")
         return EXIT_OK
-    remote = _remote(remote_options, log)
+    remote = open_remote(remote_options, log)
     if args.kernels_only:
         return kernels_only(plan, cache, log, as_json=args.json, remote=remote)
     from build.pipeline import build_image
@@ -128,19 +128,6 @@ def main(argv: list[str]) -> int:
         atomic.write_text(out_dir / "build-report.json", report.to_json())
     print(report.to_json() if args.json else report.render(), end="\n")
     return EXIT_OK
-
-
-def _remote(options, log: EventLog):
-    """The remote cache for these options (None without --cache-registry), its plan logged."""
-    if options is None:
-        return None
-    from build.remote_cache import RemoteCache
-
-    log.emit("cache", f"remote cache {options.describe()}")
-    if options.trust_unsigned:
-        log.emit("cache", "WARNING: --trust-unsigned-cache: remote cache entries are used WITHOUT a verified "
-                          "signature (each is still re-hashed against its own digests); recorded in the build report")
-    return RemoteCache(options, log)
 
 
 def kernels_only(plan, cache: CacheLayout, log: EventLog, *, as_json: bool, remote=None) -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from build.cache import CACHE_LAYOUT, CacheLayout, default_cache_root
 from contracts import folder_guard
+from contracts.events import EventLog
 
 EXIT_OK, EXIT_BUILD_FAILED, EXIT_BAD_SPEC, EXIT_REFUSED = 0, 1, 2, 3
 
@@ -43,7 +44,8 @@ commands:
                                 import a kernel wheel beside that image's torch (ABI + entry points)
   kernels build-here IMAGE_DIR [--arch sm_90] [--out DIR] [--install DIR] [--lock FILE]
                                 compile and check the image's kernels on THIS machine, without Docker,
-                                for its own Python, torch and GPU
+                                for its own Python, torch and GPU (the local cache, then any
+                                --cache-registry, are asked first; --sign signs what it pushes there)
 
 environment:
   FTIMAGE_CACHE                 cache root (default ~/.cache/ftimage)
@@ -73,3 +75,17 @@ def open_cache(path: Path | None, *, force: bool = False, write: bool = True) ->
     if write:
         cache.sweep_scratch()
     return cache
+
+
+def open_remote(options, log: EventLog):
+    """The remote cache for these options (None without --cache-registry), its plan logged."""
+    if options is None:
+        return None
+    from build.remote_cache import RemoteCache
+
+    log.emit("cache", f"remote cache {options.describe()}")
+    if options.trust_unsigned:
+        log.emit("cache", "WARNING: --trust-unsigned-cache: remote cache entries are used WITHOUT a verified "
+                          "signature (each is still re-hashed against its own digests); recorded in the build report "
+                          "and the lock")
+    return RemoteCache(options, log)

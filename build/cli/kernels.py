@@ -7,8 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from build.cli.common import EXIT_OK, EXIT_REFUSED, add_common_options, open_cache
-from build.errors import BuildFailure
+from build.cli.common import EXIT_OK, EXIT_REFUSED, add_common_options, open_cache, open_remote
+from build.errors import BuildFailure, SigningError
+from build.remote_cache.options import add_options as add_remote_options
 from contracts import folder_guard
 from contracts.events import EventLog
 
@@ -46,7 +47,10 @@ def parser() -> argparse.ArgumentParser:
     here.add_argument("--install", type=Path, help="also install the wheels into this --target folder")
     here.add_argument("--lock", type=Path, help="write a build lock for this machine to FILE")
     here.add_argument("--cores", type=int, default=None, help="compile jobs in all (default: every core)")
+    here.add_argument("--sign", type=Path, metavar="KEY", help="with --cache-registry: sign every kernel entry "
+                      "pushed there with this P-256 private key (PEM; cosign's format)")
     add_common_options(here)
+    add_remote_options(here)
     return p
 
 
@@ -120,14 +124,29 @@ def _check(args, log: EventLog) -> int:
 
 def _build_here(args, log: EventLog) -> int:
     from build.build_here import build_here
-    from build.resolve.this_host import host_arch
+    from build.remote_cache.options import options_from_args
     from build.spec import MANIFEST_PATH
 
-    archs = tuple(args.arch) or tuple(a for a in [host_arch()] if a)
+    remote_options = options_from_args(args)   # a bad --cache-registry: exit 2, before any work
+    if args.sign and remote_options is None:
+        raise SigningError("--sign signs the kernel entries pushed to the remote cache, and there is no "
+                           "--cache-registry", "add --cache-registry REGISTRY/REPO, or drop --sign")
+    if args.sign:
+        from dataclasses import replace
+
+        from build import signing  # only with --sign: a bare GPU host has no cryptography
+
+        remote_options = replace(remote_options, sign_key=signing.load_private_key(args.sign))
+    archs = tuple(args.arch)
+    if not archs:
+        from build.resolve.this_host import host_arch
+
+        archs = tuple(a for a in [host_arch()] if a)
     if not archs:
         raise BuildFailure("no GPU here to build for", "pass --arch sm_90 (or the arch you will run on)")
     summary = build_here(args.image_dir, manifest_path=args.manifest or MANIFEST_PATH,
                          cache=open_cache(args.cache, force=args.force), out=args.out, archs=archs, log=log,
-                         cores=args.cores, install=args.install, lock_path=args.lock, force=args.force)
+                         cores=args.cores, install=args.install, lock_path=args.lock, force=args.force,
+                         remote=open_remote(remote_options, log))
     print(json.dumps(summary, indent=2, sort_keys=True))
     return EXIT_OK
