@@ -143,7 +143,8 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
                                  kernel_wheels=provided.wheels,
                                  base_refs={s: b.ref for s, b in bases.items()},
                                  base_ids=base_identities(engine, plan, bases), base_packages=debs,
-                                 epoch=app_epoch, sbom_epoch=sbom_epoch)
+                                 epoch=app_epoch, sbom_epoch=sbom_epoch,
+                                 lock_build=remote.lock_record() if remote else None)
         report.lock_sha256 = context.lock.sha256()
         report.context_sha256 = context.digest
         for name in ("build.lock.json", "sbom.cdx.json"):

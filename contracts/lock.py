@@ -110,10 +110,18 @@ class BuildLock:
     packages: tuple[LockedPackage, ...] = ()
     base_images: dict[str, str] = field(default_factory=dict)  # stage -> image id/digest
     finetune_defaults: dict[str, Any] = field(default_factory=dict)
+    # how the build was made, where that bears on trusting it; written only when not empty, so
+    # a lock without it is byte-identical to one from before it existed. Today only
+    # {"remote_cache_trust": "unsigned"}: remote cache entries were used without a verified
+    # signature (`--trust-unsigned-cache`).
+    build: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
         """Canonical JSON: sorted keys, fixed separators, so equal locks are byte-identical."""
-        return json.dumps(asdict(self), sort_keys=True, indent=2, ensure_ascii=True) + "\n"
+        data = asdict(self)
+        if not data["build"]:
+            del data["build"]
+        return json.dumps(data, sort_keys=True, indent=2, ensure_ascii=True) + "\n"
 
     def sha256(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()

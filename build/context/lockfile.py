@@ -29,7 +29,9 @@ def locked_kernels(plan: BuildPlan, kernel_wheels: tuple[KernelWheel, ...]) -> t
 
 def make_lock(plan: BuildPlan, wheels: tuple[Wheel, ...], kernel_wheels: tuple[KernelWheel, ...],
               base_ids: dict[str, str], *, packages: tuple[LockedPackage, ...] | None = None,
-              transformers: str = "") -> BuildLock:
+              transformers: str = "", build: dict[str, str] | None = None) -> BuildLock:
+    """`build`: how the build was made where it bears on trust (BuildLock.build), e.g. the remote
+    cache's `{"remote_cache_trust": "unsigned"}`; empty for most builds, and then not written."""
     kernel_files = {kw.filename for kw in kernel_wheels}
     if packages is None:
         packages = tuple(LockedPackage(name=w.name, version=w.version, filename=w.filename, sha256=w.sha256)
@@ -45,4 +47,5 @@ def make_lock(plan: BuildPlan, wheels: tuple[Wheel, ...], kernel_wheels: tuple[K
                      model_family=plan.spec.model_family, target_archs=plan.spec.target_archs,
                      attn_implementation=plan.spec.attn_implementation,
                      kernels=locked_kernels(plan, kernel_wheels), packages=packages,
-                     base_images=dict(sorted(base_ids.items())), finetune_defaults=plan.spec.finetune_defaults)
+                     base_images=dict(sorted(base_ids.items())), finetune_defaults=plan.spec.finetune_defaults,
+                     build=dict(sorted((build or {}).items())))

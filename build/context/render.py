@@ -100,7 +100,7 @@ def render_context(plan: BuildPlan, directory: Path, *, wheels: tuple[Wheel, ...
                    kernel_wheels: tuple[KernelWheel, ...] = (), base_refs: dict[str, str] | None = None,
                    base_ids: dict[str, str] | None = None, epoch: int | None = None,
                    base_packages: tuple[DebPackage, ...] = (), force: bool = False,
-                   sbom_epoch: int | None = None) -> RenderedContext:
+                   sbom_epoch: int | None = None, lock_build: dict[str, str] | None = None) -> RenderedContext:
     """Write the context into `directory` (see render_target.py for what may be replaced there).
     Wheels are hard-linked from the cache: each the file itself, never a link planted there, and
     of the size its resolution recorded (cache.link_or_copy)."""
@@ -110,7 +110,7 @@ def render_context(plan: BuildPlan, directory: Path, *, wheels: tuple[Wheel, ...
     staging = render_target.staging_beside(directory)
     try:
         lock, labels, inputs = _write(plan, staging, wheels, cache, kernel_wheels, base_refs, base_ids or {}, epoch,
-                                      base_packages, epoch if sbom_epoch is None else sbom_epoch)
+                                      base_packages, epoch if sbom_epoch is None else sbom_epoch, lock_build)
         context_digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
         render_target.publish_render(staging, directory, force=force)
     finally:
@@ -119,9 +119,10 @@ def render_context(plan: BuildPlan, directory: Path, *, wheels: tuple[Wheel, ...
     return RenderedContext(directory=directory, lock=lock, labels=labels, digest=context_digest, files=len(inputs))
 
 
-def _write(plan, directory, wheels, cache, kernel_wheels, base_refs, base_ids, epoch, base_packages, sbom_epoch):
+def _write(plan, directory, wheels, cache, kernel_wheels, base_refs, base_ids, epoch, base_packages, sbom_epoch,
+           lock_build=None):
     (directory / "wheelhouse").mkdir(parents=True)
-    lock = make_lock(plan, wheels, kernel_wheels, base_ids)
+    lock = make_lock(plan, wheels, kernel_wheels, base_ids, build=lock_build)
     inputs: list[dict[str, str]] = []
     for wheel in wheels:
         link_or_copy(cache.wheel_path(wheel.sha256, wheel.filename), directory / "wheelhouse" / wheel.filename,
