@@ -1,8 +1,9 @@
 """The per-rank worker torchrun starts: `python -m entrypoint.train --plan PLAN.json`.
 
 Thin on purpose: read the plan the launcher wrote, build the Trainer (trainer.py), resume,
-fit, finish, report. The launcher has already applied the verify gate; the plan records
-its outcome, which this worker copies into run_report.json.
+fit, finish, report; after the build and after the resume, the ranks agree on a stop request
+(loading the model or a checkpoint can take minutes). The launcher has already applied the
+verify gate; the plan records its outcome, which this worker copies into run_report.json.
 """
 from __future__ import annotations
 
@@ -51,8 +52,14 @@ def run(plan: RunPlan, stop: StopRequest) -> dict:
             f"({plan.packing.reason}). Recorded in run_report.json.")
     trainer = Trainer.build(cfg, plan, rank, world, device)
     trainer.stop_requested = stop
-    trainer.resume()
-    if plan.action != "finish":   # "finish": the final checkpoint is saved; publish what the run still owes
+    hold("loaded")   # tests: a stop while the model loads
+    stopped = trainer.stopped_loading("the model")
+    if not stopped:
+        trainer.resume()
+        hold("resumed")   # tests: a stop while a checkpoint loads
+        stopped = trainer.stopped_loading(f"checkpoint {Path(trainer.resumed_from).name}" if trainer.resumed_from
+                                          else "the model")
+    if not stopped and plan.action != "finish":   # "finish": the final checkpoint is saved; publish what it owes
         trainer.fit()
     result = trainer.finish()
     # Leave together (a rank tearing down gloo while rank 0 still writes the export can abort at

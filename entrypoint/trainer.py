@@ -6,7 +6,8 @@ own shards of the HF safetensors: model.sharded_model) -> AdamW + transformers' 
 checkpointer. Then resume (refusing what it would silently ignore, resume.py), fit (steps,
 logs, checkpoints; a stop request, checked by all ranks together at every step, inside evaluations
 and after saves and exports, ends it with a checkpoint), finish (final checkpoint, HF export, the
-run's totals; a stop request waits for them).
+run's totals; a stop request waits for them). A stop request that comes while the model or a
+checkpoint loads ends the run before its next step, with nothing to save (stopped_loading).
 """
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ class Trainer:
     evaluator: Evaluator | None = None     # held-out data (data.eval_path / data.eval_fraction)
     evals: EvalState = field(default_factory=EvalState)
     early_stopped: bool = False
+    loading_stopped: str = ""              # what was loading when a stop request ended the run ("" = none did)
     max_step_items: int = 0                # most micro-batches (all ranks) a step of this data stream took
 
     @property
@@ -276,6 +278,16 @@ class Trainer:
             profiler.close()
             metrics.close()
 
+    def stopped_loading(self, what: str) -> bool:
+        """A stop request that came while `what` loaded, agreed by all ranks as at a step: the run
+        ends before its next step, and saves nothing (nothing was trained since the last checkpoint)."""
+        if not collectives.any_rank(self.stop_flag(), self.device):
+            return False
+        self.interrupted, self.loading_stopped = True, what
+        self.con.info(f"stop requested while loading {what}: the run ends before step {self.step + 1}; nothing "
+                      "was trained since the last checkpoint, so nothing is saved")
+        return True
+
     def stop_flag(self) -> bool:
         """This rank's stop request (the worker's signal handler); the ranks agree on it in collectives."""
         return bool(self.stop_requested and self.stop_requested())
@@ -376,5 +388,6 @@ class Trainer:
                 "rows_read": c.n_rows, "tokens": c.n_tokens, "data_fingerprint": c.fingerprint(),
                 "exported": str(exported) if exported else None, "world_size": self.world,
                 "attn_implementation": self.attn, "n_params": self.n_params, "total_steps": self.total_steps,
-                "early_stopped": self.early_stopped, "best_eval_loss": self.evals.best_loss,
+                "early_stopped": self.early_stopped, "stopped_while_loading": self.loading_stopped or None,
+                "best_eval_loss": self.evals.best_loss,
                 "best_step": self.evals.best_step, "summary": self.totals.to_dict()}

@@ -49,7 +49,11 @@ class Console:
 
         if self.rank != 0:
             return
-        if result["interrupted"]:
+        if result.get("stopped_while_loading"):
+            head = (f"stopped by {result.get('stop_signal') or 'a signal'} while loading "
+                    f"{result['stopped_while_loading']}, before step {result['final_step'] + 1}: nothing trained, "
+                    "nothing saved; rerun the same command to start (or resume)")
+        elif result["interrupted"]:
             head = (f"stopped by {result.get('stop_signal') or 'a signal'} after a checkpoint at step "
                     f"{result['final_step']}; rerun the same command to resume")
         elif result.get("early_stopped"):

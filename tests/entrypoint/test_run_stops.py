@@ -20,6 +20,7 @@ from tests.fixtures.chat import (
     entrypoint_env,
     finetune_metrics,
     run_entrypoint,
+    run_finetune,
     synthetic_conversations,
     write_jsonl,
 )
@@ -71,10 +72,50 @@ def test_sigterm_before_the_workers_are_ready_reaches_them_when_they_are(fixture
     assert proc.wait(timeout=180) == 143, log.read_text()[-3000:]
     text = log.read_text()
     assert "still starting stop as soon as they are ready" in text and "Traceback" not in text
+    # seen by the first check after the model loaded: not a step trained, not a checkpoint written
+    assert "stop requested while loading the model: the run ends before step 1" in text
     report = _report(out)
-    assert report["status"] == "interrupted" and report["stop_signal"] == "SIGTERM" and report["final_step"] == 1
-    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-00000001"]
+    assert report["status"] == "interrupted" and report["stop_signal"] == "SIGTERM" and report["final_step"] == 0
+    assert report["stopped_while_loading"] == "the model" and finetune_metrics(out) == []
+    assert list_checkpoints(out / "checkpoints") == []
     assert not list((out / ".launch").glob("stop-*"))   # the launch's stop folder goes with it
+
+
+@pytest.mark.training
+@pytest.mark.parametrize("phase", ["loaded", "resumed"])
+def test_sigterm_while_loading_ends_the_run_before_a_step_and_saves_nothing(fixture_dir, tmp_path, phase):
+    """Held where the model has loaded (a fresh run) or the checkpoint has (a resumed one): the ranks
+    agree on the stop there, rather than at the end of a step they should not have trained."""
+    out, gate, log = tmp_path / "out", tmp_path / "gate", tmp_path / "run.log"
+    gate.mkdir()
+    common = ("checkpoint.every=1", "checkpoint.export=false")
+    saved = []
+    if phase == "resumed":
+        first = run_finetune(fixture_dir, out, "train.max_steps=2", *common)
+        assert first.returncode == 0, first.stderr[-3000:]
+        saved = ["step-00000001", "step-00000002"]
+    proc = _start(fixture_dir, out, log, "train.max_steps=4", "checkpoint.allow_changed=[train.max_steps]", *common,
+                  hold=f"{phase}:{gate}")
+    _wait_until(lambda: _held(gate, phase), proc, log)
+    tree = descendants(proc.pid)         # the agent and both workers
+    proc.send_signal(signal.SIGTERM)
+    _wait_until(lambda: "stop requested (SIGTERM)" in log.read_text(), proc, log)
+    (gate / f"{phase}-go").touch()
+    assert proc.wait(timeout=180) == 143, log.read_text()[-3000:]
+    text = log.read_text()
+    what, step = ("the model", 0) if phase == "loaded" else ("checkpoint step-00000002", 2)
+    assert f"stop requested while loading {what}: the run ends before step {step + 1}" in text
+    assert f"stopped by SIGTERM while loading {what}, before step {step + 1}: nothing trained, nothing saved" in text
+    assert "Traceback" not in text and f"step {step + 1}/4" not in text   # no step was trained
+    report = _report(out)
+    assert report["status"] == "interrupted" and report["final_step"] == step
+    assert report["stopped_while_loading"] == what and report["stop_signal"] == "SIGTERM"
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == saved   # nothing new written
+    assert [m["step"] for m in finetune_metrics(out)] == [1, 2][:step]
+    deadline = time.monotonic() + 60
+    while any(_alive(p) for p in tree):
+        assert time.monotonic() < deadline, [p for p in tree if _alive(p)]
+        time.sleep(0.1)
 
 
 @pytest.mark.training
