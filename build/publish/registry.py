@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from build.errors import BuildFailure
 from build.oci.image import OCI_MANIFEST, read_layout, sha256_digest
 from build.publish.deadline import Deadline, deadline, network_errors, watch_session
-from build.publish.redact import quote
+from contracts.redact import quote
 
 MANIFEST_TYPES = (OCI_MANIFEST, "application/vnd.docker.distribution.manifest.v2+json")
 MAX_DOCUMENT = 4 << 20      # manifests, configs, signatures and attestations are small; refuse a flood
@@ -157,8 +157,14 @@ class Registry:
         return answer
 
     def _check(self, answer, what: str):
+        """The answer, unless it is an error: then RegistryError, quoting a few words of its body
+        (never a credential: contracts.redact.quote)."""
         if answer.status_code >= 400:
-            raise RegistryError(f"{self.registry} refused to {what}: HTTP {answer.status_code} {quote(answer)}".strip(),
+            try:
+                head = next(answer.iter_content(512), b"")
+            except Exception:  # noqa: BLE001 - a body that cannot be read is quoted as nothing
+                head = b""
+            raise RegistryError(f"{self.registry} refused to {what}: HTTP {answer.status_code} {quote(head)}".strip(),
                                 "check the repository name and your access (`docker login`)")
         return answer
 
