@@ -62,13 +62,27 @@ def fill_wheelhouse(plan: BuildPlan, cache: CacheLayout, log: EventLog) -> Resol
     return resolve_closure(plan.python_requirements, plan=plan, cache=cache, log=log, purpose="image")
 
 
+def resolution_key(requirements: tuple[str, ...], plan: BuildPlan) -> str:
+    return digest({"requirements": sorted(requirements),
+                   "torch": {"version": plan.toolchain.torch_version, "sha256": plan.torch_wheel.sha256},
+                   "python": plan.toolchain.python, "platform": plan.spec.platform, "schema": RECORD_SCHEMA})
+
+
+def cached_resolution(plan: BuildPlan, cache: CacheLayout) -> tuple[Wheel, ...] | None:
+    """The image's closure as the cache recorded it, if the record is intact and every wheel is
+    there (not re-hashed: for `--plan`, which downloads and changes nothing); else None."""
+    record = cache.resolutions / f"{resolution_key(plan.python_requirements, plan)}.json"
+    wheels, _ = _read_resolution(record, plan) if record.is_file() else (None, "")
+    if wheels is None or not all(cache.wheel_path(w.sha256, w.filename).is_file() for w in wheels):
+        return None
+    return wheels
+
+
 def resolve_closure(requirements: tuple[str, ...], *, plan: BuildPlan, cache: CacheLayout, log: EventLog,
                     purpose: str) -> Resolution:
     """Resolve requirements + the pinned torch for the plan's Python and platform, downloading
     only on a resolution-cache miss. Every returned wheel is in the cache and re-verified."""
-    key = digest({"requirements": sorted(requirements),
-                  "torch": {"version": plan.toolchain.torch_version, "sha256": plan.torch_wheel.sha256},
-                  "python": plan.toolchain.python, "platform": plan.spec.platform, "schema": RECORD_SCHEMA})
+    key = resolution_key(requirements, plan)
     record = cache.resolutions / f"{key}.json"
     if record.is_file():
         wheels, problem = _read_resolution(record, plan)

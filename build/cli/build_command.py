@@ -72,23 +72,29 @@ def main(argv: list[str]) -> int:
     plan = load_plan(Path(args.image_dir), args.manifest or MANIFEST_PATH)
     log = EventLog(json_lines=args.json_logs)
     if args.plan:
+        from build.cli.plan_layers import engine_for_plan, layer_rows, render_rows
         from build.kernels import expected_costs
 
         cache = open_cache(args.cache, write=False)
         remote = open_remote(remote_options, log)
         costs = expected_costs(plan, cache, remote.kernel_state if remote else None)
+        engine, no_engine = engine_for_plan()     # read only: the runtime base's layers, if it is there
+        layers = layer_rows(plan, cache, engine=engine, engine_problem=no_engine,
+                            remote_state=remote.layer_state if remote else None)
         if args.json:
             data = json.loads(plan.to_json())
             for kernel in data.get("kernels", []):   # what the table shows: cache state and compile cost
                 state, cost = costs.get(kernel.get("key"), ("unknown", "unknown"))
                 kernel["cache"] = {"state": state.split(":")[0].split(" (")[0].lower(), "detail": state,
                                    "expected_compile": cost}
+            data["layers"] = layers
             if remote is not None:
                 data["remote_cache"] = remote_options.describe()
             print(json.dumps(data, indent=2, sort_keys=True))
         else:
             from build.cli.plan_view import render_plan
             print(render_plan(plan, costs))
+            print(f"\n{render_rows(layers)}")
             if remote is not None:
                 print(f"remote cache {remote_options.describe()}")
         return EXIT_OK

@@ -182,6 +182,13 @@ def _add_user(writer: LayerWriter, user: TrainingUser, lines: dict[str, str],
     writer.add(TreeEntry("workspace", "dir", DIR_MODE, mine))
 
 
+def base_keys(diff_ids: list[str], user: TrainingUser) -> list[str]:
+    """The cache key of each edited base layer: the base's diffIDs up to it, and the user."""
+    return [layer_key("base", {"diff_ids": diff_ids[:i + 1], "user": [user.name, user.uid, user.gid],
+                               "dropped": list(DROPPED), "last": i == len(diff_ids) - 1})
+            for i in range(len(diff_ids))]
+
+
 def base_layers(engine, cache: LayerCache, scratch: Path, base_ref: str, user: TrainingUser) -> list[CachedLayer]:
     """The runtime base's layers, edited; cached by the base's diffIDs and the user."""
     info = engine.image(base_ref)
@@ -191,9 +198,7 @@ def base_layers(engine, cache: LayerCache, scratch: Path, base_ref: str, user: T
     if not diff_ids:
         raise BuildFailure(f"the engine lists no layers for the runtime base {base_ref}", "check the dockerd log")
     epoch = base_epoch({"created": info.get("Created", "")})
-    keys = [layer_key("base", {"diff_ids": diff_ids[:i + 1], "user": [user.name, user.uid, user.gid],
-                               "dropped": list(DROPPED), "last": i == len(diff_ids) - 1})
-            for i in range(len(diff_ids))]
+    keys = base_keys(diff_ids, user)
     found = [cache.find(key, {"name": "base", "created_by": _history(base_ref, i, len(keys), user), "mtime": epoch})
              for i, key in enumerate(keys)]
     if all(found):

@@ -95,6 +95,13 @@ def file_layer(cache: LayerCache, name: str, files: dict[str, tuple[bytes, int]]
 def tree_layer(cache: LayerCache, name: str, root: Path, prefix: str, mtime: int, created_by: str,
                extra: dict[str, tuple[bytes, int]]) -> CachedLayer:
     """The staged folder `root` at `prefix`, plus `extra` files; keyed by every file's bytes."""
+    key, ordered = tree_layer_key(name, root, prefix, mtime, extra)
+    return cache.get_or_make(key, name, created_by, mtime, lambda path: write_layer(path, ordered, mtime))
+
+
+def tree_layer_key(name: str, root: Path, prefix: str, mtime: int,
+                   extra: dict[str, tuple[bytes, int]]) -> tuple[str, list[TreeEntry]]:
+    """tree_layer's key, and its entries in layer order (the key alone is what `--plan` needs)."""
     entries = [*parents(prefix), *tree_entries(root, prefix)]
     files = {e.path: e for e in entries}
     for path, (data, mode) in extra.items():
@@ -105,8 +112,7 @@ def tree_layer(cache: LayerCache, name: str, root: Path, prefix: str, mtime: int
     fingerprint = [[e.path, e.kind, e.mode, e.target,
                     hashlib.sha256(e.data if e.data is not None else e.source.read_bytes()).hexdigest()
                     if e.kind == "file" else ""] for e in ordered]
-    key = layer_key(name, {"entries": fingerprint, "mtime": mtime})
-    return cache.get_or_make(key, name, created_by, mtime, lambda path: write_layer(path, ordered, mtime))
+    return layer_key(name, {"entries": fingerprint, "mtime": mtime}), ordered
 
 
 def assemble(layers: list[CachedLayer], settings: RuntimeSettings, created: int) -> AssembledImage:

@@ -17,6 +17,12 @@ from contracts.events import EventLog
 from contracts.lock import LOCK_PATH
 
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+APP_CREATED_BY = f"ftimage app: {APP_DIR} and {GATE}"
+
+
+def app_extra(gate: bytes) -> dict[str, tuple[bytes, int]]:
+    """What the app layer holds beside the app folder: the gate script (also for `--plan`)."""
+    return {GATE.lstrip("/"): (gate, EXEC_MODE)}
 
 
 @dataclass(frozen=True)
@@ -66,9 +72,8 @@ def assemble_runtime_image(plan: BuildPlan, context: RenderedContext, *, wheels:
             f"{str(LOCK_PATH.parent).lstrip('/')}/{name}": ((directory / name).read_bytes(), FILE_MODE)
             for name in ("build.lock.json", "sbom.cdx.json")}, lock_epoch(wheels_time, base_info),
             f"ftimage lock: {LOCK_PATH} and the SBOM")
-        app = tree_layer(layers_cache, "app", directory / "app", APP_DIR, app_epoch,
-                         f"ftimage app: {APP_DIR} and {GATE}",
-                         extra={GATE.lstrip("/"): ((directory / "ftimage-gate").read_bytes(), EXEC_MODE)})
+        app = tree_layer(layers_cache, "app", directory / "app", APP_DIR, app_epoch, APP_CREATED_BY,
+                         extra=app_extra((directory / "ftimage-gate").read_bytes()))
         layers = [*base, venv, lock, app]
         for key in layers_cache.damaged:
             log.emit("image", f"WARN: cached layer {key[:12]} no longer matched its digest (edited on disk?): "

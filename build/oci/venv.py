@@ -81,16 +81,24 @@ def capped(epoch: int) -> int:
     return min(epoch, parse_epoch(env))
 
 
+def venv_key(wheels: list[LockedWheel], *, venv: str, app_dir: str, python_minor: str, base_diff_ids: list[str],
+             epoch: int) -> str:
+    """The venv layer's cache key (also what `--plan` computes before building): the wheels, the
+    base layers under it, the runtime guard, and how it is installed and compiled."""
+    return layer_key("venv", {
+        "wheels": sorted([w.filename, w.sha256] for w in wheels), "venv": venv, "pth": app_dir,
+        "guard": {name: data.decode() for name, data in sorted(guard.install_files().items())},
+        "python": python_minor, "base": base_diff_ids, "dropped": list(DROPPED_FILES), "mtime": epoch,
+        "installer": installer.__version__, "compile": hashlib.sha256(COMPILE_SCRIPT.encode()).hexdigest()})
+
+
 def venv_layer(*, engine, cache: LayerCache, scratch: Path, wheels: list[LockedWheel], venv: str, app_dir: str,
                python_minor: str, base_ref: str, base_diff_ids: list[str], log: EventLog,
                wheels_time: int | None = None) -> CachedLayer:
     """`wheels_time`: wheels_epoch(wheels), when the caller has read it already."""
     epoch = capped(wheels_epoch(wheels) if wheels_time is None else wheels_time)
-    key = layer_key("venv", {
-        "wheels": sorted([w.filename, w.sha256] for w in wheels), "venv": venv, "pth": app_dir,
-        "guard": {name: data.decode() for name, data in sorted(guard.install_files().items())},
-        "python": python_minor, "base": base_diff_ids, "dropped": list(DROPPED_FILES), "mtime": epoch,
-        "installer": installer.__version__, "compile": hashlib.sha256(COMPILE_SCRIPT.encode()).hexdigest()})
+    key = venv_key(wheels, venv=venv, app_dir=app_dir, python_minor=python_minor, base_diff_ids=base_diff_ids,
+                   epoch=epoch)
 
     def make(path: Path):
         stage = scratch / "venv"

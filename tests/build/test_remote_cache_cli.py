@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -262,3 +263,93 @@ def test_the_kernel_entries_are_pushed_even_when_a_later_stage_fails(registry, k
                              log=EventLog(quiet=True), engine=engine, remote=writer)
     assert writer.pushed == [f"kernel-{entry.key}"]
     assert CacheRegistry(registry.address, timeout=10).get_manifest("team/early", f"kernel-{entry.key}") is not None
+
+
+# ---- --plan: a cache state per layer, where its key is known before building -----------------
+
+def plan_layers(tmp_path, *extra: str) -> dict[str, dict]:
+    from tests.conftest import run_build_cli
+
+    proc = run_build_cli("images/smoke", "--plan", "--json", "--cache", str(tmp_path / "cache"), *extra,
+                         env={"SOURCE_DATE_EPOCH": "1700000000", "DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"})
+    assert proc.returncode == 0, proc.stderr
+    return {row["layer"]: row for row in json.loads(proc.stdout)["layers"]}
+
+
+def test_plan_json_shows_each_layers_cache_state_or_what_its_key_waits_on(registry, keys, tmp_path, monkeypatch):
+    from build.oci.layercache import LayerCache
+    from build.oci.tarlayer import TreeEntry, write_layer
+
+    rows = plan_layers(tmp_path)
+    assert list(rows) == ["base", "venv", "lock", "app"]
+    assert rows["base"]["state"] == "unknown" and rows["base"]["key"] is None
+    assert rows["base"]["detail"].startswith("unknown until the runtime base is bootstrapped")
+    assert "no engine" in rows["base"]["detail"]
+    assert rows["venv"]["state"] == "unknown" and "base layers' diffIDs" in rows["venv"]["detail"]
+    assert rows["lock"]["state"] == "unknown" and "build.lock.json" in rows["lock"]["detail"]
+    app = rows["app"]
+    assert app["state"] == "miss" and len(app["key"]) == 64
+
+    # the key is the build's: the app layer of the context a build renders
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    from build.context.render import APP_DIR, render_context
+    from build.oci.image import tree_layer_key
+    from build.oci.runtime_image import app_extra
+    from build.resolve import load_plan
+
+    context = render_context(load_plan(REPO_ROOT / "images" / "smoke"), tmp_path / "context", wheels=(),
+                             cache=CacheLayout(tmp_path / "render-cache"))
+    assert tree_layer_key("app", context.directory / "app", APP_DIR, 1700000000,
+                          app_extra((context.directory / "ftimage-gate").read_bytes()))[0] == app["key"]
+
+    # an entry in the registry under that key: "hit registry"; then in the local cache: "hit local"
+    source = LayerCache(tmp_path / "elsewhere")
+    files = [TreeEntry("opt", "dir", mode=0o755), TreeEntry("opt/app.py", "file", data=b"stand-in\n")]
+    entry = source.get_or_make(app["key"], "app", "ftimage app", 1700000000,
+                               lambda path: write_layer(path, files, 1700000000))
+    writer = remote(registry.address, "team/planlayers", sign=keys["signer"][0])
+    writer.queue_layer(entry)
+    writer.flush()
+    assert writer.pushed == [f"layer-{app['key']}"]
+    rows = plan_layers(tmp_path, "--cache-registry", f"{registry.address}/team/planlayers",
+                       "--cache-key", str(keys["signer"][3]))
+    assert rows["app"]["state"] == "hit registry" and rows["app"]["key"] == app["key"]
+    assert rows["base"]["state"] == "unknown"
+    shutil.copytree(source.root / app["key"], tmp_path / "cache" / "layers" / app["key"])
+    assert plan_layers(tmp_path)["app"]["state"] == "hit local"
+
+
+def test_plan_reads_the_runtime_base_from_the_engine_for_the_base_and_venv_keys(tmp_path):
+    from build.base.bootstrap import SPEC_LABEL, base_tag
+    from build.cli.plan_layers import layer_rows
+    from build.oci.baselayer import TrainingUser, base_keys
+    from build.oci.layercache import CachedLayer, LayerCache
+    from build.resolve import digest, load_plan
+    from tests.fakes.engine import FakeEngine
+
+    plan = load_plan(REPO_ROOT / "images" / "smoke")
+    cache = CacheLayout(tmp_path / "cache")
+    assert layer_rows(plan, cache, engine=FakeEngine())[0]["detail"].endswith("is not in the engine)")
+    base = plan.spec.runtime_base.bootstrap
+    diff_ids = ["sha256:" + "1" * 64, "sha256:" + "2" * 64]
+    engine = FakeEngine(images={base_tag(base): {"Id": "sha256:" + "b" * 64, "RootFS": {"Layers": diff_ids},
+                                                 "Config": {"Labels": {SPEC_LABEL: "another spec"}}}})
+    assert layer_rows(plan, cache, engine=engine)[0]["state"] == "unknown"      # not this base's spec
+    engine.images[base_tag(base)]["Config"]["Labels"][SPEC_LABEL] = digest(base.spec_dict())
+    rows = layer_rows(plan, cache, engine=engine)
+    user = plan.spec.user
+    keys = base_keys(diff_ids, TrainingUser(user.name, user.uid, plan.spec.gid))
+    assert [(r["layer"], r["key"], r["state"]) for r in rows[:2]] == [("base 1/2", keys[0], "miss"),
+                                                                      ("base 2/2", keys[1], "miss")]
+    assert rows[2]["layer"] == "venv" and "base layers are assembled" in rows[2]["detail"]
+    # the edited base layers in the local cache: the venv's key now waits on the wheelhouse only
+    layers = LayerCache(cache.layers)
+    for i, key in enumerate(keys):
+        staging = layers.staging()
+        (staging / "layer.tar.gz").write_bytes(b"x")
+        layers.publish(key, staging, CachedLayer(key=key, name="base", diff_id="sha256:" + str(i + 5) * 64,
+                                                 digest="sha256:" + "0" * 64, size=1, created_by="b", mtime=0,
+                                                 path=staging / "layer.tar.gz"))
+    rows = layer_rows(plan, cache, engine=engine)
+    assert rows[0]["state"] == rows[1]["state"] == "hit local"
+    assert rows[2]["state"] == "unknown" and "wheelhouse is resolved" in rows[2]["detail"]
