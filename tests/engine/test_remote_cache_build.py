@@ -3,9 +3,13 @@ docker-registry on a free 127.0.0.1 port), then built again with a fresh, empty 
 kernel cache and `--cache-registry --cache-key`: every layer comes from the registry (`hit
 registry`), re-hashed, and the image ID is the same. images/smoke compiles no kernels, so
 kernel hits are proven by the unit tests (tests/build/test_remote_cache.py) against the same
-registry. Both caches are seeded with the downloads only (wheels, sources, debs, hard-linked
-from the usual cache when it has them, as verify-reproducible's --inputs-from does): what is
-under test is what a build makes, not what it downloads."""
+registry.
+
+Runner A is a runner that built this commit before: it uses the usual cache, which the session's
+smoke build filled, and pushes every layer it found there (a build pushes what it made or
+found locally). Runner B's cache is seeded with the downloads only (wheels, sources, debs,
+hard-linked from the usual cache, as verify-reproducible's --inputs-from does): what is under
+test is what a build makes, not what it downloads."""
 from __future__ import annotations
 
 import json
@@ -35,7 +39,7 @@ def fresh_cache(root: Path) -> Path:
     return root
 
 
-def test_a_second_runner_with_an_empty_cache_takes_every_layer_from_the_registry(engine, tmp_path):
+def test_a_second_runner_with_an_empty_cache_takes_every_layer_from_the_registry(engine, smoke_build, tmp_path):
     registry = Registry(tmp_path / "registry")
     try:
         private, public = write_p256_pair(tmp_path)
@@ -44,7 +48,6 @@ def test_a_second_runner_with_an_empty_cache_takes_every_layer_from_the_registry
         epoch = {"SOURCE_DATE_EPOCH": subprocess.run(["git", "log", "-1", "--format=%ct"], capture_output=True,
                                                      text=True, check=True).stdout.strip()}
         first = run_build_cli("images/smoke", "--json", "--out", str(tmp_path / "out-a"),
-                              "--cache", str(fresh_cache(tmp_path / "cache-a")),
                               "--cache-registry", repository, "--sign", str(private), env=epoch)
         assert first.returncode == 0, first.stderr[-4000:]
         a = json.loads(first.stdout)
