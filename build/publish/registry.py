@@ -122,6 +122,9 @@ class Registry:
         if scheme.lower() != "bearer" or not fields.get("realm", "").startswith(("https://", "http://")):
             raise RegistryError(f"{self.registry} asked for an unsupported authentication ({scheme[:40]})",
                                 "use a registry that accepts Basic or Bearer-token auth")
+        if creds and fields["realm"].startswith("http://") and self.base.startswith("https://"):
+            raise RegistryError(f"{self.registry} (HTTPS) sent its login to a plain-HTTP token service; "
+                                "the login was not sent", "give the registry's token service an https:// realm")
         query = {k: v for k, v in fields.items() if k in ("service", "scope")}
         answer = self._send("GET", fields["realm"], params=query, auth=creds, authorize=False)
         if answer.status_code != 200:

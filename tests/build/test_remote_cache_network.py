@@ -3,7 +3,7 @@ trickles its headers or its body, or hangs after its headers, is cut at the stat
 wall-clock bound, not a wait per byte), and the build-wide budget ends the cache once spent;
 every network error reaches the caller as the registry error type; a missing or altered
 signature blob refuses that entry only; a token service answering nonsense makes the registry
-unavailable; a layer entry whose layer.json says another name, history line or time than the
+unavailable; an HTTPS registry never gets a login sent to a plain-HTTP token service; a layer entry whose layer.json says another name, history line or time than the
 build makes is refused and never overwritten; `flush` never fails a build; and an error
 answer's body is never echoed with a credential in it."""
 from __future__ import annotations
@@ -484,3 +484,33 @@ def test_a_refusal_quotes_the_registrys_words_but_no_token(tmp_path):
         assert SECRET not in text and "c2VjcmV0" not in text and len(str(caught.value)) < 300
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize("realm, sent_login", [("http://auth.example.com/token", False),
+                                                ("https://auth.example.com/token", True)])
+def test_a_login_never_goes_to_a_plain_http_token_service_of_an_https_registry(monkeypatch, realm, sent_login):
+    client = Registry("registry.example.com")
+    monkeypatch.setattr(client, "_credentials", lambda: ("robot", "s3cret"))
+    calls = []
+
+    def answer(method, url, headers=None, auth=None, **kwargs):
+        calls.append((url, auth))
+        reply = requests.Response()
+        reply.raw = io.BytesIO(b'{"token": "t0k"}' if url.startswith(realm) else b"")
+        if url.startswith(realm):
+            reply.status_code = 200
+        elif headers.get("Authorization"):
+            reply.status_code = 404
+        else:
+            reply.status_code = 401
+            reply.headers["WWW-Authenticate"] = f'Bearer realm="{realm}",service="registry.example.com"'
+        return reply
+
+    monkeypatch.setattr(client.session, "request", answer)
+    if sent_login:
+        assert client.manifest("team/x", "latest") is None
+        assert (realm, ("robot", "s3cret")) in [(url.split("?")[0], auth) for url, auth in calls]
+    else:
+        with pytest.raises(RegistryError, match="plain-HTTP token service") as refused:
+            client.manifest("team/x", "latest")
+        assert "s3cret" not in str(refused.value) and [url for url, _ in calls if "auth.example" in url] == []
