@@ -3,9 +3,10 @@ trickles its headers or its body, or hangs after its headers, is cut at the stat
 wall-clock bound, not a wait per byte), and the build-wide budget ends the cache once spent;
 every network error reaches the caller as the registry error type; a missing or altered
 signature blob refuses that entry only; a token service answering nonsense makes the registry
-unavailable; an HTTPS registry never gets a login sent to a plain-HTTP token service; a layer entry whose layer.json says another name, history line or time than the
-build makes is refused and never overwritten; `flush` never fails a build; and an error
-answer's body is never echoed with a credential in it."""
+unavailable; an HTTPS registry never gets a login sent to a plain-HTTP token service; a layer
+entry whose layer.json says another name, history line or time than the build makes is refused
+and never overwritten; `flush` never fails a build; and an error answer's body is never echoed
+with a credential in it."""
 from __future__ import annotations
 
 import hashlib
