@@ -100,7 +100,7 @@ def test_json_logs_are_machine_readable(smoke_build):
     assert events and all({"phase", "msg", "t"} <= set(e) for e in events)
 
 
-def test_corrupt_cached_wheel_is_named_evicted_and_refetched(smoke_build, tmp_path):
+def test_a_corrupt_cached_wheel_is_named_evicted_and_refetched_in_the_same_build(smoke_build, tmp_path):
     from build.cache import CacheLayout, default_cache_root
     source = CacheLayout(default_cache_root())
     cache = CacheLayout(tmp_path / "cache")
@@ -113,14 +113,16 @@ def test_corrupt_cached_wheel_is_named_evicted_and_refetched(smoke_build, tmp_pa
     victim.unlink()                     # break the link first: the real cache must stay intact
     victim.write_bytes(bytes(tampered))
     env = {"FTIMAGE_CACHE": str(cache.root)}
-    proc = run_build_cli("images/smoke", "--out", str(tmp_path / "out"), env=env)
-    assert proc.returncode == 1
-    assert victim.name in proc.stderr and "corrupt or tampered" in proc.stderr
+    good = json.loads((smoke_build["out"] / "build.lock.json").read_text())
+    locked_sha = {p["filename"]: p["sha256"] for p in good["packages"]}[victim.name]
+    proc = run_build_cli("images/smoke", "--json", "--out", str(tmp_path / "out"), env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]       # repaired within the same build
+    (warning,) = [line for line in proc.stderr.splitlines() if "WARN" in line and victim.name in line]
+    assert "is damaged" in warning and locked_sha in warning and "downloading it again" in warning
     assert "Traceback" not in proc.stderr
-    assert not victim.exists(), "the corrupt wheel must not stay in the cache"
-    retry = run_build_cli("images/smoke", "--json", "--out", str(tmp_path / "out"), env=env)
-    assert retry.returncode == 0, retry.stderr[-3000:]
-    assert json.loads(retry.stdout)["cache"]["wheelhouse"].startswith("miss")
+    assert json.loads(proc.stdout)["cache"]["wheelhouse"].startswith("miss")
+    assert hashlib.sha256(victim.read_bytes()).hexdigest() == locked_sha, "the cache holds the good wheel again"
+    assert (tmp_path / "out" / "build.lock.json").read_bytes() == (smoke_build["out"] / "build.lock.json").read_bytes()
 
 
 def test_unreachable_engine_is_a_clear_error(tmp_path):
