@@ -28,6 +28,7 @@ open(marker + ".child", "w")
 """
 
 
+@pytest.mark.slow
 def test_a_phase_over_its_limit_is_killed_with_its_grandchildren(tmp_path):
     runner = Runner(tmp_path / "results", deadline_s=600, echo=lambda _l: None)
     marker = tmp_path / "marker"

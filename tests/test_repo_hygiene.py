@@ -269,6 +269,7 @@ def test_ruff_passes_on_the_whole_tree_including_build():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_plain_pytest_collects_what_python_m_pytest_collects():
     def collected(cmd):
         proc = subprocess.run([*cmd, "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/build",

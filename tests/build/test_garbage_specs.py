@@ -39,6 +39,7 @@ def test_garbage_image_yaml_never_tracebacks(doc, ws, run_cli):
     assert "Traceback" not in out + err
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(doc=documents)
 def test_mutated_image_fields_never_traceback(doc, ws, run_cli):
@@ -50,6 +51,7 @@ def test_mutated_image_fields_never_traceback(doc, ws, run_cli):
     assert "Traceback" not in out + err
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(doc=documents, kernel=st.sampled_from(["flash-attn", "causal-conv1d", "flash-linear-attention"]))
 def test_garbage_manifest_kernels_never_traceback(doc, kernel, ws, run_cli):

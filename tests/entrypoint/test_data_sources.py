@@ -113,6 +113,7 @@ def _inspect(fixture_dir, *overrides: str, rows: int = 0):
                            "--json"], timeout=240)
 
 
+@pytest.mark.slow
 def test_inspect_data_reads_ultrachat_200k_as_the_hub_lays_it_out(fixture_dir, tmp_path):
     """data/train_sft-00000-of-00003-<16 hex>.parquet and the README's `configs:`: each split by name."""
     from tests.fixtures.hub_datasets import ultrachat_200k

@@ -20,6 +20,7 @@ def _passing_gate(**_):
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_evaluating_the_same_checkpoint_gives_the_same_loss(fixture_dir, tmp_path):
     from entrypoint.trainer import Trainer
 

@@ -126,6 +126,7 @@ def test_dispatch_on_cpu_detects_the_fallback_at_run_time(env_lock):
     assert rows["dispatch.attention"].status is Status.FAIL
 
 
+@pytest.mark.slow
 def test_broken_installed_package_is_named_not_called_missing(tmp_path, cpu_lock_path, run_verify, rows_by_check):
     """transformers resolves at import, so the stub must be on PYTHONPATH of a fresh interpreter."""
     stub = tmp_path / "stub" / "fla"
