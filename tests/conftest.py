@@ -79,3 +79,13 @@ def smoke_build(engine, tmp_path_factory):
 def smoke_image(smoke_build) -> str:
     """Tag of the built smoke image (e.g. for `docker run <tag> finetune ...`)."""
     return smoke_build["tag"]
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    """Debian's docker-registry on a free 127.0.0.1 port, for one test module."""
+    from tests.fixtures.registry import Registry
+
+    running = Registry(tmp_path_factory.mktemp("registry"))
+    yield running
+    running.stop()

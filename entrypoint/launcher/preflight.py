@@ -4,7 +4,6 @@ The CLI calls `prepare` and execs the returned argv. Tests call it too.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import tempfile
@@ -20,6 +19,7 @@ from entrypoint.launcher.run_plan import PackingDecision, RunPlan
 from entrypoint.launcher.torchrun import LaunchError, cache_env, resolve_topology, torchrun_argv, worker_env
 from entrypoint.launcher.verify_gate import GateOutcome, run_verify
 from entrypoint.observability.console import ALLOW_FALLBACK_ENV
+from entrypoint.observability.tracker_check import process_env
 
 EXIT_GATE = 3  # verify did not pass and --allow-fallback was not given
 
@@ -109,20 +109,6 @@ def mesh_line(cfg: FinetuneConfig) -> str:
         return mesh_plan(cfg, world.nnodes * world.nproc_per_node).render()
     except (MeshError, LaunchError) as exc:
         return f"mesh: {str(exc).splitlines()[0]}"
-
-
-@contextlib.contextmanager
-def _process_env(values: dict):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def decide_packing(requested: str, gate: GateOutcome) -> PackingDecision:
@@ -286,7 +272,7 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
     check_trackers(cfg, env)
     log("[finetune] running verify (the run stops unless it passes)")
     model_dir = cfg.model.path if (Path(cfg.model.path) / "config.json").is_file() else None
-    with _process_env(caches):  # verify imports transformers/triton: keep caches writable
+    with process_env(caches):  # verify imports transformers/triton: keep caches writable
         outcome = gate(model=model_dir, param_dtype=cfg.parallel.param_dtype)
     if not outcome.passed:
         log(outcome.table)
@@ -299,7 +285,7 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
             "continuing ON THE RECORD with 2D padded batches")
     packing = decide_packing(cfg.packing.mode, outcome)
     cfg.packing.mode = packing.effective
-    with _process_env(caches):
+    with process_env(caches):
         built = build_corpus(cfg, log, events)
     if resumed:
         check_fingerprint(cfg, resumed, built.train)

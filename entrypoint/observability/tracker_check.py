@@ -16,6 +16,7 @@ MLFLOW_TRACKING_URI=file:..., or removing it from output.report_to (metrics.json
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import netrc
 import os
@@ -166,9 +167,7 @@ def check_mlflow(env: dict, timeout: float = TIMEOUT_S) -> None:
     # the client reads its settings (tokens, TLS) from os.environ: the run's, with retries off
     settings = {k: v for k, v in env.items() if k.startswith(("MLFLOW_", "DATABRICKS_"))}
     settings.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=str(max(1, int(timeout))))
-    saved = {k: os.environ.get(k) for k in settings}
-    os.environ.update(settings)
-    try:
+    with process_env(settings):
         from mlflow.tracking import MlflowClient  # imported first: its import is not the server's time
 
         def probe(left) -> str | None:
@@ -177,12 +176,6 @@ def check_mlflow(env: dict, timeout: float = TIMEOUT_S) -> None:
             return _mlflow_search(MlflowClient, uri)
 
         cause = _bounded(probe, timeout, uri)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     if cause:
         raise TrackerUnavailable("mlflow", f"MLFLOW_TRACKING_URI={uri} ({cause}; checked within {timeout:g} s)",
                                  _fix("mlflow"))
@@ -201,3 +194,19 @@ def check(names: list[str], env: dict, timeout: float = TIMEOUT_S) -> None:
 
 
 __all__ = ["MARGIN_S", "TIMEOUT_S", "TrackerUnavailable", "check", "reachable"]
+
+
+@contextlib.contextmanager
+def process_env(values: dict):
+    """os.environ with `values` set for the block, then as it was (a client that reads its settings
+    from the process's environment, not from arguments)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

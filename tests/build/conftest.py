@@ -59,3 +59,17 @@ def run_cli(capsys):
         out = capsys.readouterr()
         return code, out.out, out.err
     return _run
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    """Two P-256 signing pairs, "signer" and "other": (private key, public key, private path, public path)."""
+    from build import signing
+    from tests.fixtures.keys import write_p256_pair
+
+    folder = tmp_path_factory.mktemp("keys")
+    out = {}
+    for name in ("signer", "other"):
+        private, public = write_p256_pair(folder, name)
+        out[name] = (signing.load_private_key(private), signing.load_public_key(public), private, public)
+    return out

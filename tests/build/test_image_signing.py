@@ -22,7 +22,6 @@ from build.oci.image import canonical, sha256_digest
 from build.publish import attest
 from build.publish.registry import Registry
 from tests.fixtures.keys import write_p256_pair, write_rsa_key
-from tests.fixtures.registry import Registry as RegistryProcess
 
 REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 DIGEST = "sha256:" + "ab" * 32
@@ -82,13 +81,6 @@ def test_artifact_manifest_layout():
 
 
 # ---- against a real registry ---------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    running = RegistryProcess(tmp_path_factory.mktemp("registry"))
-    yield running
-    running.stop()
-
 
 def push_fake_image(client: Registry, path: str, tag: str, *, lock: str = "2" * 64, plan: str = "1" * 64,
                     salt: str = "") -> str:

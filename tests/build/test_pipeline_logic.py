@@ -44,6 +44,12 @@ def engine_with_bases(plan) -> FakeEngine:
 @pytest.fixture
 def smoke(tmp_path, monkeypatch):
     """The smoke plan, a cache holding stand-in wheels, and a wheelhouse stage that returns them."""
+    return smoke_with_stand_in_wheels(tmp_path, monkeypatch)
+
+
+def smoke_with_stand_in_wheels(tmp_path, monkeypatch):
+    """(the smoke plan, a cache under tmp_path holding stand-in torch and transformers wheels, the
+    out folder), with the wheelhouse stage patched to return those wheels."""
     plan = load_plan(REPO_ROOT / "images" / "smoke")
     cache = CacheLayout(tmp_path / "cache")
     wheels = []

@@ -34,27 +34,8 @@ from build.remote_cache.trust import sign_entry, signature_tag
 from build.resolve import digest
 from contracts.events import EventLog
 from tests.conftest import run_build_cli
-from tests.fixtures.keys import write_p256_pair
-from tests.fixtures.registry import Registry as RegistryProcess
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    running = RegistryProcess(tmp_path_factory.mktemp("registry"))
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("keys")
-    out = {}
-    for name in ("signer", "other"):
-        private, public = write_p256_pair(folder, name)
-        out[name] = (signing.load_private_key(private), signing.load_public_key(public), private, public)
-    return out
 
 
 def make_kernel(root: Path, payload: bytes = b"kernel", version: str = "1.7.0") -> KernelStore:

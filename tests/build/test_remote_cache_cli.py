@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import build.build_here as build_here_module
-from build import pipeline, signing
+from build import pipeline
 from build.build_here import HostKernel
 from build.cache import CacheLayout
 from build.cli import kernels as kernels_cli
@@ -33,28 +33,9 @@ from contracts.events import EventLog
 from contracts.lock import load_lock
 from contracts.schema import Problems
 from tests.build.test_remote_cache import Log
-from tests.fixtures.keys import write_p256_pair
-from tests.fixtures.registry import Registry as RegistryProcess
 
 pytestmark = pytest.mark.unit
 KERNEL_SMOKE = REPO_ROOT / "images" / "kernel-smoke"
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    running = RegistryProcess(tmp_path_factory.mktemp("registry"))
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("keys")
-    out = {}
-    for name in ("signer", "other"):
-        private, public = write_p256_pair(folder, name)
-        out[name] = (signing.load_private_key(private), signing.load_public_key(public), private, public)
-    return out
 
 
 # ---- kernels build-here ------------------------------------------------------------------------
@@ -198,23 +179,9 @@ def test_build_here_refuses_sign_without_a_cache_registry(tmp_path, keys):
 def fake_smoke(tmp_path, monkeypatch):
     """The smoke plan, a cache holding stand-in wheels, a wheelhouse stage that returns them and
     a fake engine holding its bases (as tests/build/test_pipeline_logic.py builds them)."""
-    from build.resolve import load_plan
-    from build.wheelhouse import Resolution, Wheel
-    from tests.build.test_pipeline_logic import engine_with_bases
+    from tests.build.test_pipeline_logic import engine_with_bases, smoke_with_stand_in_wheels
 
-    plan = load_plan(REPO_ROOT / "images" / "smoke")
-    cache = CacheLayout(tmp_path / "cache")
-    wheels = []
-    for name in ("torch", "transformers"):
-        filename = f"{name}-1.0-py3-none-any.whl"
-        sha = hashlib.sha256(name.encode()).hexdigest()
-        path = cache.wheel_path(sha, filename)
-        path.parent.mkdir(parents=True)
-        path.write_bytes(name.encode())
-        wheels.append(Wheel(name=name, version="1.0", filename=filename, sha256=sha))
-    monkeypatch.setattr(pipeline, "fill_wheelhouse",
-                        lambda plan, cache, log: Resolution(key="r", wheels=tuple(wheels), cache_hit=True))
-    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    plan, cache, _ = smoke_with_stand_in_wheels(tmp_path, monkeypatch)
     return plan, cache, engine_with_bases(plan)
 
 

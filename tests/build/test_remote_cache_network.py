@@ -32,30 +32,9 @@ from build.remote_cache.transport import CacheRegistry
 from build.remote_cache.trust import signature_tag
 from contracts.redact import quote
 from tests.build.test_remote_cache import Log, make_kernel, make_layer, only_entry, remote
-from tests.fixtures.keys import write_p256_pair
-from tests.fixtures.registry import Registry as RegistryProcess
 
 pytestmark = pytest.mark.unit
 MARGIN = 2.5      # seconds a cut request may take past its timeout (thread wake-ups on a loaded 2-core box)
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    running = RegistryProcess(tmp_path_factory.mktemp("registry"))
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory):
-    from build import signing
-
-    folder = tmp_path_factory.mktemp("keys")
-    out = {}
-    for name in ("signer", "other"):
-        private, public = write_p256_pair(folder, name)
-        out[name] = (signing.load_private_key(private), signing.load_public_key(public), private, public)
-    return out
 
 
 # ---- servers that misbehave, on 127.0.0.1, bounded and self-stopping --------------------------

@@ -22,13 +22,6 @@ GATE = "/opt/ftimage/bin/ftimage-gate"
 
 
 @pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    running = Registry(tmp_path_factory.mktemp("registry"))
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
 def docker_api():
     return docker.from_env(timeout=600).api
 

@@ -13,16 +13,8 @@ import time
 import pytest
 
 from tests.conftest import run_build_cli
-from tests.fixtures.registry import Registry
 
 pytestmark = pytest.mark.engine
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    running = Registry(tmp_path_factory.mktemp("registry"))
-    yield running
-    running.stop()
 
 
 def test_two_fresh_clones_under_other_conditions_build_and_push_one_image(engine, registry, smoke_build, tmp_path):
