@@ -193,9 +193,6 @@ def check(names: list[str], env: dict, timeout: float = TIMEOUT_S) -> None:
         {"wandb": check_wandb, "mlflow": check_mlflow}.get(name, lambda _env, _t: None)(env, timeout)
 
 
-__all__ = ["MARGIN_S", "TIMEOUT_S", "TrackerUnavailable", "check", "reachable"]
-
-
 @contextlib.contextmanager
 def process_env(values: dict):
     """os.environ with `values` set for the block, then as it was (a client that reads its settings
@@ -210,3 +207,6 @@ def process_env(values: dict):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+__all__ = ["MARGIN_S", "TIMEOUT_S", "TrackerUnavailable", "check", "process_env", "reachable"]
