@@ -5,8 +5,8 @@ registry`), re-hashed, and the image ID is the same. images/smoke compiles no ke
 kernel hits are proven by the unit tests (tests/build/test_remote_cache.py) against the same
 registry.
 
-Runner A is a runner that built this commit before: it uses the usual cache, which the session's
-smoke build filled, and pushes every layer it found there (a build pushes what it made or
+Runner A is a runner that built this commit before: it uses the usual cache, which the shared
+smoke_build fixture filled, and pushes every layer it found there (a build pushes what it made or
 found locally). Runner B's cache is seeded with the downloads only (wheels, sources, debs,
 hard-linked from the usual cache, as verify-reproducible's --inputs-from does): what is under
 test is what a build makes, not what it downloads."""
