@@ -91,9 +91,10 @@ class Registry:
             if bound.expired:          # a body cut short without an error: never used
                 raise self._late(what, bound.seconds)
 
+    late_fix = "check the network to the registry, and that the registry is not overloaded"
+
     def _late(self, what: str, seconds: float) -> RegistryError:
-        return RegistryError(f"{self.registry} timed out: it did not {what} within {seconds:g}s",
-                             "check the network to the registry, and that the registry is not overloaded")
+        return RegistryError(f"{self.registry} timed out: it did not {what} within {seconds:g}s", self.late_fix)
 
     # ---- auth ---------------------------------------------------------------------------------
 

@@ -35,6 +35,8 @@ class BlobProblem(WireError):
 
 
 class CacheRegistry(Registry):
+    late_fix = "check the network to the registry (or raise --cache-timeout)"
+
     def __init__(self, registry: str, *, timeout: float, budget: float | None = None, plain_http: bool = False,
                  session=None):
         super().__init__(registry, session, plain_http=plain_http, timeout=timeout)
@@ -70,10 +72,6 @@ class CacheRegistry(Registry):
         return RegistryError(f"{self.registry} has taken this build's whole registry time budget "
                              f"({self.budget:g}s, {BUDGET_TIMEOUTS} times --cache-timeout)",
                              "check the network to the registry; the build goes on without it")
-
-    def _late(self, what: str, seconds: float) -> RegistryError:
-        return RegistryError(f"{self.registry} timed out: it did not {what} within {seconds:g}s",
-                             "check the network to the registry (or raise --cache-timeout)")
 
     # ---- reads --------------------------------------------------------------------------------
 
