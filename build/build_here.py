@@ -14,7 +14,6 @@ here never stands in for an image's.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -31,7 +30,7 @@ from build.cache import CacheLayout, sha256_file
 from build.context.lockfile import make_lock
 from build.errors import BuildFailure
 from build.kernels.archs import archs_of_wheel
-from build.kernels.compile import RECIPE, parallel_jobs, stage_inputs
+from build.kernels.compile import RECIPE, entry_meta, parallel_jobs, stage_inputs
 from build.kernels.pinned_sources import fetch_pinned
 from build.kernels.progress import CompileProgress
 from build.kernels.store import KernelEntry, KernelStore
@@ -148,11 +147,8 @@ def cache_compiled(kernel: KernelPlan, built: HostKernel, store: KernelStore) ->
         shutil.copyfile(built.wheel, staging / built.wheel.name)
         output = built.log.read_bytes() if built.log is not None and built.log.is_file() else b""
         (staging / "build.log").write_bytes(output)
-        meta = {"kernel": kernel.name, "version": kernel.version, "wheel": built.wheel.name,
-                "sha256": sha256_file(staging / built.wheel.name), "inputs": kernel.key_inputs,
-                "observed": built.observed, "archs": {"sass": list(built.sass), "ptx": list(built.ptx)},
-                "build_log_sha256": hashlib.sha256(output).hexdigest(), "duration_s": built.seconds,
-                "max_jobs": built.jobs, "created": int(time.time()), "patches": [p.path for p in kernel.patches]}
+        meta = entry_meta(kernel, staging / built.wheel.name, built.observed, built.sass, built.ptx, output,
+                          built.seconds, built.jobs)
         return store.publish(kernel.key, staging, meta)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -142,18 +142,24 @@ def check_and_publish(kernel: KernelPlan, toolchain, out: Path, output: str, dur
     fail_on(rows, f"the freshly built {kernel.name} wheel is unsound and was NOT cached")
     wheel = wheels[0]
     shutil.move(str(wheel), staging / wheel.name)
-    meta = {"kernel": kernel.name, "version": kernel.version, "wheel": wheel.name,
-            "sha256": sha256_file(staging / wheel.name), "inputs": kernel.key_inputs, "observed": observed,
-            "archs": {"sass": list(report.sass), "ptx": list(report.ptx)},
-            "build_log_sha256": hashlib.sha256(output.encode()).hexdigest(),
-            "duration_s": round(duration, 1), "max_jobs": jobs, "created": int(time.time()),
-            "patches": [p.path for p in kernel.patches]}
+    meta = entry_meta(kernel, staging / wheel.name, observed, report.sass, report.ptx, output.encode(), duration,
+                      jobs)
     for leftover in ("in", "out"):
         shutil.rmtree(staging / leftover, ignore_errors=True)
     (staging / "build.log").write_text(output)
     entry = store.publish(kernel.key, staging, meta)
     log.emit("kernels", f"cached {wheel.name} after {duration:.0f}s", step=kernel.name)
     return entry
+
+
+def entry_meta(kernel: KernelPlan, wheel: Path, observed: dict, sass, ptx, build_log: bytes, duration: float,
+               jobs: int) -> dict:
+    """A kernel cache entry's meta.json: what the wheel is (its sha256, its SASS and PTX), what it
+    was built from (the key's inputs, the patches), what the recipe saw, and its build log's digest."""
+    return {"kernel": kernel.name, "version": kernel.version, "wheel": wheel.name, "sha256": sha256_file(wheel),
+            "inputs": kernel.key_inputs, "observed": observed, "archs": {"sass": list(sass), "ptx": list(ptx)},
+            "build_log_sha256": hashlib.sha256(build_log).hexdigest(), "duration_s": round(duration, 1),
+            "max_jobs": jobs, "created": int(time.time()), "patches": [p.path for p in kernel.patches]}
 
 
 def ensure_builder_image(closure, plan: BuildPlan, *, builder_base: str, cache: CacheLayout, engine: Engine,
