@@ -130,19 +130,15 @@ def _venv(plan: BuildPlan, cache: CacheLayout, base: list, why_base: str) -> tup
 def _app_key() -> str:
     """The app layer's key: the project's runtime packages as a build stages them, the gate, and
     SOURCE_DATE_EPOCH (HEAD's commit time when unset)."""
-    from build.context.render import APP_DIR, APP_PACKAGES, VENV, copy_app
+    from build.context.render import APP_DIR, gate_script, stage_app
     from build.oci.image import tree_layer_key
     from build.oci.runtime_image import app_extra
     from build.source_date import source_date_epoch
-    from build.spec import REPO_ROOT
-    from build.templating import render_template
 
     with tempfile.TemporaryDirectory(prefix="ftimage-plan-") as scratch:
         app = Path(scratch) / "app"
-        for package in APP_PACKAGES:
-            copy_app(REPO_ROOT / package, app / package)
-        gate = render_template("ftimage-gate.j2", venv=VENV).encode()
-        key, _ = tree_layer_key("app", app, APP_DIR, source_date_epoch(), app_extra(gate))
+        stage_app(app)
+        key, _ = tree_layer_key("app", app, APP_DIR, source_date_epoch(), app_extra(gate_script().encode()))
     return key
 
 

@@ -144,12 +144,11 @@ def _write(plan, directory, wheels, cache, kernel_wheels, base_refs, base_ids, e
         "labels.json": json.dumps(labels, sort_keys=True, indent=2) + "\n",
         "Dockerfile": render_dockerfile(plan, base_refs, epoch),
     }
-    texts["ftimage-gate"] = render_template("ftimage-gate.j2", venv=VENV)
+    texts["ftimage-gate"] = gate_script()
     texts["wheelhouse/drop_installed_files.py"] = DROP_INSTALLED_FILES.read_text()
     for rel, text in texts.items():
         (directory / rel).write_text(text)
-    for package in APP_PACKAGES:
-        copy_app(REPO_ROOT / package, directory / "app" / package)
+    stage_app(directory / "app")
     for path in sorted((directory / "app").rglob("*")):
         if path.is_file():
             inputs.append({"path": str(path.relative_to(directory)), "sha256": sha256_file(path), "kind": "code"})
@@ -159,6 +158,17 @@ def _write(plan, directory, wheels, cache, kernel_wheels, base_refs, base_ids, e
     (directory / "inputs.json").write_text(json.dumps(inputs, indent=1, sort_keys=True) + "\n")
     (directory / ".dockerignore").write_text("inputs.json\nplan.json\nlabels.json\n.ftimage-render\n")
     return lock, labels, inputs
+
+
+def gate_script() -> str:
+    """The gate the image runs a command through (the app layer holds it beside the app)."""
+    return render_template("ftimage-gate.j2", venv=VENV)
+
+
+def stage_app(app: Path) -> None:
+    """The app folder as the image holds it: each runtime package's files (copy_app)."""
+    for package in APP_PACKAGES:
+        copy_app(REPO_ROOT / package, app / package)
 
 
 def copy_app(src: Path, dest: Path) -> None:
