@@ -13,11 +13,13 @@ BadRows, which the run report, the console and inspect-data carry.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,6 +213,23 @@ def num_proc(configured: int) -> int:
     return configured or max(1, min(os.cpu_count() or 1, 16))
 
 
+@contextmanager
+def inherited_objects_left_alone(forking: bool) -> Iterator[None]:
+    """Dataset.map forks its workers. A forked child that runs the garbage collector may destroy
+    an object it inherited whose destructor needs a thread only the parent has (a torch gloo
+    process group left in a reference cycle does: the child hangs for ever or dies). Collect in
+    the parent first, and freeze what is left so the children never collect it."""
+    if not forking:
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def tokenize_source(source, tokenizer, cfg, cache_dir: Path, *, schema: str, events=None) -> dict:
     """One source tokenized by Dataset.map into Arrow files under cache_dir (reused when its
     fingerprint matches). Returns {files, bad, n_rows, fingerprint}."""
@@ -257,11 +276,12 @@ def _tokenize_into(staging: Path, source, tokenizer, cfg, opts: EncodeOptions, k
         with pa.OSFile(str(staging / "tokens.arrow"), "wb") as sink, pa.ipc.new_stream(sink, features.arrow_schema):
             pass
         rows = datasets.Dataset.from_file(str(staging / "tokens.arrow"))
-    mapped = rows if len(rows) == 0 else rows.map(tokenize_batch, with_indices=True, batched=True, batch_size=256,
-                      num_proc=min(num_proc(cfg.num_proc), max(1, len(rows) // 256)) or None,
-                      remove_columns=rows.column_names, features=features, new_fingerprint=key,
-                      cache_file_name=str(staging / "tokens.arrow"),
-                      fn_kwargs={"tokenizer": tokenizer, "opts": opts, "raw": raw})
+    processes = min(num_proc(cfg.num_proc), max(1, len(rows) // 256))
+    with inherited_objects_left_alone(processes > 1):
+        mapped = rows if len(rows) == 0 else rows.map(
+            tokenize_batch, with_indices=True, batched=True, batch_size=256, num_proc=processes,
+            remove_columns=rows.column_names, features=features, new_fingerprint=key,
+            cache_file_name=str(staging / "tokens.arrow"), fn_kwargs={"tokenizer": tokenizer, "opts": opts, "raw": raw})
     bad = BadRows()
     table = mapped.data.table
     reasons = table.column("bad").to_numpy(zero_copy_only=False)

@@ -315,6 +315,58 @@ def test_tokenizing_that_fails_leaves_no_staging_folder_in_the_cache(tokenizer, 
     assert sorted(p.name for p in cache.iterdir()) == ["raw", f"tokenized-{done['fingerprint']}"]
 
 
+# Garbage the parent has not collected yet (here a torch gloo process group in a reference cycle,
+# which a test or a user's own loop can leave behind) when Dataset.map forks its workers; a worker
+# that collects it runs the group's destructor, which needs gloo's threads: they exist only in the
+# parent, so the worker hung for ever or died, and the map with it.
+FORKED_GARBAGE = r"""
+import gc, json, sys
+from pathlib import Path
+
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from contracts.finetune_config import build_config
+from entrypoint.data import tokenize
+from entrypoint.data.sources import resolve
+
+model_dir, tmp = sys.argv[1], Path(sys.argv[2])
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+path = tmp / "d.jsonl"
+path.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(1024)))
+cfg = build_config([{"model": {"path": "m"}, "packing": {"budget": 64},
+                     "data": {"path": str(path), "schema": "text", "max_length": 64, "num_proc": 2}}])
+original = tokenize.tokenize_batch
+
+def collecting_batch(*args, **kwargs):
+    gc.collect()          # a worker's collector runs while it tokenizes
+    return original(*args, **kwargs)
+
+tokenize.tokenize_batch = collecting_batch
+gc.disable()              # keep the cycle uncollected until the fork, as a busy parent does
+dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+cycle = [dist.group.WORLD]
+cycle.append(cycle)
+dist.destroy_process_group()
+del cycle
+done = tokenize.tokenize_source(resolve(str(path)), tokenizer, cfg.data, tmp / "cache", schema="text")
+print("tokenized", done["n_rows"])
+"""
+
+
+@pytest.mark.slow
+def test_forked_tokenizer_workers_never_collect_what_the_parent_left_behind(fixture_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from build.spec import REPO_ROOT
+
+    proc = subprocess.run([sys.executable, "-c", FORKED_GARBAGE, str(fixture_dir.model_dir), str(tmp_path)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "tokenized 1024"
+
+
 def test_eval_fraction_holds_out_whole_documents_deterministically(tokenizer, tmp_path):
     from entrypoint.data.corpus import read_corpus
     from entrypoint.data.corpus_build import build
