@@ -102,10 +102,15 @@ def test_json_logs_are_machine_readable(smoke_build):
 
 def test_a_corrupt_cached_wheel_is_named_evicted_and_refetched_in_the_same_build(smoke_build, tmp_path):
     from build.cache import CacheLayout, default_cache_root
+    from contracts import folder_guard
     source = CacheLayout(default_cache_root())
     cache = CacheLayout(tmp_path / "cache")
     shutil.copytree(source.resolutions, cache.resolutions)
-    shutil.copytree(source.wheels, cache.wheels, copy_function=os.link)   # GBs of wheels: link, don't copy
+    # GBs of wheels and layers: link, don't copy. With the layers there the build assembles nothing,
+    # so what it does past the wheelhouse is the same image from the same lock.
+    shutil.copytree(source.wheels, cache.wheels, copy_function=os.link)
+    shutil.copytree(source.layers, cache.layers, copy_function=os.link)
+    shutil.copyfile(source.root / folder_guard.CACHE_MARKER, cache.root / folder_guard.CACHE_MARKER)
     locked = {p["filename"] for p in json.loads((smoke_build["out"] / "build.lock.json").read_text())["packages"]}
     victim = min((p for p in cache.wheels.rglob("*.whl") if p.name in locked), key=lambda p: p.stat().st_size)
     tampered = bytearray(victim.read_bytes())
@@ -123,6 +128,7 @@ def test_a_corrupt_cached_wheel_is_named_evicted_and_refetched_in_the_same_build
     assert json.loads(proc.stdout)["cache"]["wheelhouse"].startswith("miss")
     assert hashlib.sha256(victim.read_bytes()).hexdigest() == locked_sha, "the cache holds the good wheel again"
     assert (tmp_path / "out" / "build.lock.json").read_bytes() == (smoke_build["out"] / "build.lock.json").read_bytes()
+    assert json.loads(proc.stdout)["image_id"] == smoke_build["report"]["image_id"]
 
 
 def test_unreachable_engine_is_a_clear_error(tmp_path):

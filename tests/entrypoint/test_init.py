@@ -34,6 +34,15 @@ def _wait_for_grandchild(pid: int) -> None:
     raise AssertionError("PID 1 started no command")
 
 
+def _as_a_shell_starts_it() -> None:
+    """Signal dispositions and the mask are inherited through exec: a test worker that ignores or
+    blocks SIGINT (as test runners and their libraries may) would pass that on to the command,
+    which then never sees the signal PID 1 forwards. Start it as a shell would, with both reset."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_pid1_forwards_stop_signals_to_a_command_that_would_ignore_them(sig, code):
     if os.geteuid() != 0 or not shutil.which("unshare"):
@@ -41,7 +50,8 @@ def test_pid1_forwards_stop_signals_to_a_command_that_would_ignore_them(sig, cod
     # As PID 1 without a handler, this python would ignore SIGTERM: `docker stop` would wait for SIGKILL.
     script = "import signal, time; print('ready', flush=True); time.sleep(120)"
     proc = subprocess.Popen(["unshare", "-fp", "--mount-proc", sys.executable, "-m", "entrypoint", sys.executable,
-                             "-c", script], cwd=REPO, env=entrypoint_env(), stdout=subprocess.PIPE, text=True)
+                             "-c", script], cwd=REPO, env=entrypoint_env(), stdout=subprocess.PIPE, text=True,
+                            preexec_fn=_as_a_shell_starts_it)
     try:
         pid1 = _pid1_of(proc)
         assert proc.stdout.readline().strip() == "ready"
