@@ -46,13 +46,21 @@ def test_two_fresh_clones_under_other_conditions_build_and_push_one_image(engine
 
 
 @pytest.fixture
-def restore_smoke(smoke_build, tmp_path):
+def restore_smoke(engine, smoke_build, tmp_path):
     """These tests retag (and prune) the smoke image; afterwards the tag is this test run's
-    assembled image again, for the other engine tests (warm: only the app layer is loaded)."""
-    yield
-    restored = run_build_cli("images/smoke", "--json", "--out", str(tmp_path / "restored"))
-    assert restored.returncode == 0, restored.stderr[-4000:]
-    assert json.loads(restored.stdout)["image_id"] == smoke_build["report"]["image_id"]
+    assembled image again, for the other engine tests. A second tag keeps the assembled image in
+    the engine meanwhile (a build prunes only its own name's tags), so the restoring build finds
+    it by ID and loads nothing."""
+    image_id = smoke_build["report"]["image_id"]
+    keep = f"ftimage-test/smoke-kept:{image_id[7:19]}"
+    engine.tag(image_id, keep)
+    try:
+        yield
+        restored = run_build_cli("images/smoke", "--json", "--out", str(tmp_path / "restored"))
+        assert restored.returncode == 0, restored.stderr[-4000:]
+        assert json.loads(restored.stdout)["image_id"] == image_id
+    finally:
+        engine.remove(keep)
 
 
 def test_a_new_commit_rebuilds_and_sends_only_the_app_layer(smoke_build, restore_smoke, tmp_path):
