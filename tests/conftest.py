@@ -29,6 +29,19 @@ def xdist_group_of(item: pytest.Item) -> str | None:
     return None
 
 
+# Seconds a test of these tiers may take, setup included, before it fails with its stack: many
+# times the slowest one on a loaded 2-core machine, so only a hang reaches it. The engine and
+# kernel tiers bound each build and container themselves.
+TIMEOUTS = {"unit": 600, "training": 1200}
+
+
+def timeout_of(item: pytest.Item) -> int | None:
+    if item.get_closest_marker("engine") or item.get_closest_marker("kernel"):
+        return None
+    limits = [seconds for marker, seconds in TIMEOUTS.items() if item.get_closest_marker(marker)]
+    return max(limits) if limits else None
+
+
 @pytest.hookimpl(tryfirst=True)   # before xdist's own hook, which reads the groups into node IDs
 def pytest_collection_modifyitems(config, items):
     groups = {}
@@ -36,6 +49,9 @@ def pytest_collection_modifyitems(config, items):
         groups[item.nodeid] = group = xdist_group_of(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+        seconds = timeout_of(item)
+        if seconds and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(seconds))
     # the long, ordered chains first (the kernel compile is the longest), then the rest as collected
     first = {"kernel": 0, "engine": 1}
     items.sort(key=lambda item: first.get(groups[item.nodeid], 2))

@@ -283,3 +283,19 @@ def test_plain_pytest_collects_what_python_m_pytest_collects():
     plain = collected([str(pytest_bin)])
     module = collected([sys.executable, "-m", "pytest"])
     assert plain == module and len(plain) > 50
+
+
+def test_a_hung_unit_or_training_test_fails_instead_of_holding_ci(request):
+    """Every collected unit and training test carries a timeout (tests/conftest.py): a hang, such as
+    a forked worker deadlocked on an inherited lock, fails that test with its stack."""
+    from tests.conftest import TIMEOUTS
+
+    items = request.session.items
+    assert request.node in items
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        tiers = [tier for tier in TIMEOUTS if item.get_closest_marker(tier)]
+        if item.get_closest_marker("engine") or item.get_closest_marker("kernel"):
+            assert marker is None, item.nodeid
+        elif tiers:
+            assert marker is not None and marker.args[0] == max(TIMEOUTS[t] for t in tiers), item.nodeid
