@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -104,6 +105,21 @@ def resolve_closure(requirements: tuple[str, ...], *, plan: BuildPlan, cache: Ca
     return Resolution(key=key, wheels=wheels, cache_hit=False)
 
 
+# Wheels this process has hashed and found intact, with the identity of the file it hashed: a
+# build resolves overlapping closures (the image's, each kernel builder's) and re-hashing
+# gigabytes of torch for each would change nothing. Any write, rename, chmod or relink of the
+# file changes its ctime or inode, and the wheel is hashed again.
+_VERIFIED: dict[Path, tuple[str, tuple[int, ...] | None]] = {}
+
+
+def _identity(path: Path) -> tuple[int, ...] | None:
+    try:
+        st = path.lstat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) if stat.S_ISREG(st.st_mode) else None
+
+
 def verify_cached_wheels(wheels: tuple[Wheel, ...], cache: CacheLayout, log: EventLog) -> list[str]:
     """The wheels not usable from the cache, which the caller downloads again in this build (each
     download is hashed as it is stored): those missing, and those damaged, each evicted and named
@@ -114,11 +130,16 @@ def verify_cached_wheels(wheels: tuple[Wheel, ...], cache: CacheLayout, log: Eve
     if unusable:
         return unusable    # the closure is downloaded again anyway: hashing the rest would be wasted
     for wheel, path in zip(wheels, paths):
+        before = _identity(path)
+        if before is not None and _VERIFIED.get(path) == (wheel.sha256, before):
+            continue
         try:
             actual, _size = digest_nofollow(path, size=wheel.size)
             why = "" if actual == wheel.sha256 else f"sha256 {actual} is not the locked {wheel.sha256}"
         except UnsafeFile as exc:
             why = str(exc).removeprefix(f"{path} ")
+        if not why and before is not None and _identity(path) == before:
+            _VERIFIED[path] = (wheel.sha256, before)
         if why:
             if path.parent.is_symlink():
                 path.parent.unlink()    # the link goes, never what it points to (rmtree follows none below)

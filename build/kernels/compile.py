@@ -33,7 +33,7 @@ from build.kernels.wheel_checks import (
 from build.resolve import BuildPlan, KernelPlan, digest
 from build.spec import REPO_ROOT
 from build.templating import render_template
-from build.wheelhouse import requirements_lock, resolve_closure
+from build.wheelhouse import Resolution, Wheel, requirements_lock, resolve_closure
 from contracts.events import EventLog
 
 RECIPE = Path(__file__).resolve().parent / "recipe.py"
@@ -86,14 +86,14 @@ def compile_kernel(kernel: KernelPlan, plan: BuildPlan, *, cache: CacheLayout, e
     if removed:  # we hold the key's lock, so a container with this key is a killed build's orphan
         log.emit("kernels", f"removed {removed} orphaned builder container(s)", step=kernel.name)
     sdist = fetch_pinned(kernel.sources[0], cache, log)
-    closure = resolve_closure(tuple(plan.toolchain.cuda_pip_toolchain) + kernel.build_requires, plan=plan,
-                              cache=cache, log=log, purpose=f"builder for {kernel.name}")
-    builder_image = ensure_builder_image(closure, plan, builder_base=builder_base, cache=cache, engine=engine,
-                                         log=log)
+    builder_image, build_requires = builder_for(kernel, plan, builder_base=builder_base, cache=cache,
+                                                engine=engine, log=log)
     staging = store.staging(kernel.key)
     inputs, out = staging / "in", staging / "out"
     try:
         stage_inputs(inputs, kernel, sdist)
+        if build_requires:
+            stage_wheels(inputs / "build-requires", build_requires, cache)
         out.mkdir()
         out.chmod(0o777)
         jobs = parallel_jobs(kernel.memory_per_job_gb)
@@ -101,6 +101,8 @@ def compile_kernel(kernel: KernelPlan, plan: BuildPlan, *, cache: CacheLayout, e
         command = ["python", "/in/recipe.py", "--sdist", f"/in/src/{sdist.name}", "--patches", "/in/patches",
                    "--out", "/out", "--work", "/tmp/work", "--jobs", str(jobs), "--ccache", "/ccache",
                    "--check-script", "/in/check.py", "--check-config", check_config]
+        if build_requires:
+            command += ["--build-requires", "/in/build-requires"]
         for key, value in sorted(kernel.build_env.items()):
             command += ["--env", f"{key}={value}"]
         expected = kernel.estimate.wall_seconds(jobs) if kernel.estimate else None
@@ -162,19 +164,56 @@ def entry_meta(kernel: KernelPlan, wheel: Path, observed: dict, sass, ptx, build
             "max_jobs": jobs, "created": int(time.time()), "patches": [p.path for p in kernel.patches]}
 
 
-def ensure_builder_image(closure, plan: BuildPlan, *, builder_base: str, cache: CacheLayout, engine: Engine,
-                         log: EventLog) -> str:
-    """The builder image for one closure (torch + CUDA toolchain + build deps), built once and
-    reused: every compile after the first skips a multi-GB install."""
+def builder_for(kernel: KernelPlan, plan: BuildPlan, *, builder_base: str, cache: CacheLayout, engine: Engine,
+                log: EventLog) -> tuple[str, tuple[Wheel, ...]]:
+    """The builder image a kernel compiles in, and the wheels its compile installs on top.
+
+    The image holds the toolchain's closure only (torch and NVIDIA's CUDA toolchain, a
+    multi-GB install), so every kernel of every plan on this toolchain shares it; each
+    kernel's few build requirements are installed in its compile container. When resolving
+    them beside the toolchain picks another version of a toolchain package, the kernel gets
+    an image of its own closure instead: it never compiles against anything but its pins."""
+    toolchain = tuple(plan.toolchain.cuda_pip_toolchain)
+    shared = resolve_closure(toolchain, plan=plan, cache=cache, log=log, purpose=f"{plan.toolchain.name} builder")
+    closure = resolve_closure(toolchain + kernel.build_requires, plan=plan, cache=cache, log=log,
+                              purpose=f"build requirements of {kernel.name}")
+    extra = wheels_on_top(shared.wheels, closure.wheels)
+    if extra is None:
+        log.emit("kernels", f"{kernel.name}'s build requirements change a toolchain package: it gets its own builder",
+                 step=kernel.name)
+        return ensure_builder_image(closure, plan, builder_base=builder_base, cache=cache, engine=engine,
+                                    log=log), ()
+    return ensure_builder_image(shared, plan, builder_base=builder_base, cache=cache, engine=engine, log=log), extra
+
+
+def wheels_on_top(base: tuple[Wheel, ...], closure: tuple[Wheel, ...]) -> tuple[Wheel, ...] | None:
+    """The wheels of `closure` missing from `base`, or None when `closure` holds another build
+    of a wheel `base` has (installing it on top would replace part of the toolchain)."""
+    in_closure = {w.name: w.sha256 for w in closure}
+    if any(in_closure.get(w.name) != w.sha256 for w in base):
+        return None
+    held = {w.name for w in base}
+    return tuple(sorted((w for w in closure if w.name not in held), key=lambda w: w.name))
+
+
+def stage_wheels(folder: Path, wheels: tuple[Wheel, ...], cache: CacheLayout) -> None:
+    """Hash-locked wheels from the cache and their requirements.txt, as `pip install --require-hashes` reads them."""
+    folder.mkdir(parents=True)
+    for wheel in wheels:
+        link_or_copy(cache.wheel_path(wheel.sha256, wheel.filename), folder / wheel.filename)
+    (folder / "requirements.txt").write_text(requirements_lock(wheels))
+
+
+def ensure_builder_image(closure: Resolution, plan: BuildPlan, *, builder_base: str, cache: CacheLayout,
+                         engine: Engine, log: EventLog) -> str:
+    """The builder image for one closure (torch + the CUDA toolchain), built once and reused:
+    every compile after the first skips a multi-GB install."""
     tag = f"ftimage-builder/{plan.toolchain.name}:{digest([builder_base, closure.key])[:12]}"
     if engine.image(tag):
         return tag
     log.emit("kernels", f"building the kernel builder image {tag} ({len(closure.wheels)} wheels)")
     with cache.scratch_dir("builder") as context:
-        (context / "wheels").mkdir()
-        for wheel in closure.wheels:
-            link_or_copy(cache.wheel_path(wheel.sha256, wheel.filename), context / "wheels" / wheel.filename)
-        (context / "wheels" / "requirements.txt").write_text(requirements_lock(closure.wheels))
+        stage_wheels(context / "wheels", closure.wheels, cache)
         (context / "Dockerfile").write_text(render_template(
             "Dockerfile.builder.j2", builder_base=builder_base, venv="/opt/builder/venv",
             cuda_pip_dir=f"cu{plan.toolchain.cuda.split('.')[0]}"))

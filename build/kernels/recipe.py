@@ -127,6 +127,18 @@ def apply_patches(src: Path, patches: Path) -> None:
         apply_unified_diff(src, patch.read_text(), patch.name)
 
 
+def install_build_requires(wheels: Path) -> None:
+    """The kernel's own build requirements, on top of a builder image that holds only the
+    toolchain: hash-locked wheels from `wheels/requirements.txt`, offline. One toolchain image
+    then serves every kernel, and each compile still sees exactly its pinned requirements."""
+    say(f"installing the build requirements: {', '.join(sorted(w.name for w in wheels.glob('*.whl')))}")
+    code = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
+                           "--no-cache-dir", "--disable-pip-version-check", "--require-hashes", "--find-links",
+                           str(wheels), "-r", str(wheels / "requirements.txt")]).returncode
+    if code != 0:
+        raise SystemExit(f"ftimage: installing the build requirements failed (exit {code})")
+
+
 def build_wheel(src: Path, out: Path, env: dict[str, str]) -> Path:
     """pip wheel, verbose so that the compiler output (and ninja's progress) streams through."""
     dist = out / "dist"
@@ -217,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ccache", type=Path, help="ccache folder in front of nvcc")
     p.add_argument("--check-config", help="JSON for the check script; omit to skip the checks")
     p.add_argument("--check-script", type=Path, default=Path(__file__).with_name("incontainer_check.py"))
+    p.add_argument("--build-requires", type=Path,
+                   help="folder of hash-locked wheels (and their requirements.txt) to install before compiling")
     args = p.parse_args(argv)
 
     env = dict(os.environ)
@@ -235,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         env["CUDA_HOME"] = home
         env["PATH"] = os.pathsep.join([os.path.join(home, "bin"), env.get("PATH", "")])
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.build_requires:
+        install_build_requires(args.build_requires)
     src = unpack(args.sdist, args.work / "src")
     apply_patches(src, args.patches)
     knobs = " ".join(f"{k}={env[k]}" for k in sorted(env) if k.startswith(("FLASH_", "CAUSAL_", "MAX_JOBS")))

@@ -266,3 +266,32 @@ def test_the_wheelhouse_places_the_cached_file_itself_or_refuses_by_name(tmp_pat
     ctx = render_context(plan, tmp_path / "ctx", wheels=(wheel,), cache=cache, epoch=0)
     placed = ctx.directory / "wheelhouse" / wheel.filename
     assert not placed.is_symlink() and placed.read_bytes() == EINOPS_BYTES
+
+
+def test_a_wheel_hashed_once_in_a_process_is_hashed_again_after_any_change(tmp_path, monkeypatch):
+    """A build verifies overlapping closures; a wheel it already hashed is not hashed again, unless
+    the file changed in any way since, even to the same size and mtime."""
+    from build import wheelhouse
+
+    cache = CacheLayout(tmp_path / "cache")
+    data = b"a wheel's bytes" * 1000
+    wheel = Wheel(name="demo", version="1.0", filename="demo-1.0-py3-none-any.whl",
+                  sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    path = cache.wheel_path(wheel.sha256, wheel.filename)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(data)
+    hashed: list[str] = []
+    real = wheelhouse.digest_nofollow
+    monkeypatch.setattr(wheelhouse, "digest_nofollow", lambda p, size=None: hashed.append(p.name) or real(p, size=size))
+    quiet = EventLog(quiet=True)
+    assert wheelhouse.verify_cached_wheels((wheel,), cache, quiet) == []
+    assert wheelhouse.verify_cached_wheels((wheel,), cache, quiet) == []
+    assert hashed == [wheel.filename]                       # the second closure trusted the first hash
+    stat = path.stat()
+    with open(path, "r+b") as fh:                          # other bytes, same size, same mtime
+        fh.write(b"tampered")
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    log = io.StringIO()
+    assert wheelhouse.verify_cached_wheels((wheel,), cache, EventLog(stream=log)) == [wheel.filename]
+    assert hashed == [wheel.filename] * 2 and "is damaged" in log.getvalue()
+    assert not path.exists()

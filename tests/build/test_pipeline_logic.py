@@ -239,3 +239,61 @@ def test_verify_reproducible_names_untracked_files_a_build_would_copy(tmp_path):
     (tmp_path / "entrypoint" / "new_module.py").write_text("X = 1\n")
     (tmp_path / "notes.txt").write_text("not copied by a build\n")
     assert untracked_build_inputs(tmp_path) == ["entrypoint/new_module.py"]
+
+
+def _stand_in_resolver(cache: CacheLayout, *, clashing: str | None = None):
+    """resolve_closure as the wheelhouse answers it: the toolchain's wheels, plus one wheel per
+    extra requirement; `clashing` names a build requirement whose resolution also picks another
+    build of torch."""
+    def wheel(name: str, build: str = "") -> Wheel:
+        filename = f"{name}-1.0-py3-none-any.whl"
+        sha = hashlib.sha256((name + build).encode()).hexdigest()
+        path = cache.wheel_path(sha, filename)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes((name + build).encode())
+        return Wheel(name=name, version="1.0", filename=filename, sha256=sha)
+
+    def resolve(requirements, *, plan, cache, log, purpose):
+        toolchain = set(plan.toolchain.cuda_pip_toolchain)
+        extra = [r.split("==")[0] for r in requirements if r not in toolchain]
+        torch = wheel("torch", "other" if clashing in extra else "")
+        wheels = (torch, wheel("nvidia-cuda-nvcc")) + tuple(wheel(name) for name in extra)
+        return Resolution(key=digest(list(requirements)), wheels=wheels, cache_hit=True)
+    return resolve
+
+
+def test_every_kernel_compiles_in_one_toolchain_builder_with_its_own_requirements_on_top(tmp_path, monkeypatch):
+    from build.kernels import compile as compile_module
+
+    plan = load_plan(REPO_ROOT / "images" / "kernel-smoke")
+    cache = CacheLayout(tmp_path / "cache")
+    monkeypatch.setattr(compile_module, "resolve_closure", _stand_in_resolver(cache))
+    engine = FakeEngine()
+    found = {k.name: compile_module.builder_for(k, plan, builder_base="base", cache=cache, engine=engine, log=QUIET)
+             for k in plan.kernels}
+    assert len({image for image, _ in found.values()}) == 1
+    assert [c for c in engine.calls if c[0] == "build"] == [("build", found["flash-attn"][0])]   # built once
+    for kernel in plan.kernels:
+        on_top = [w.name for w in found[kernel.name][1]]
+        assert on_top == sorted(r.split("==")[0] for r in kernel.build_requires), kernel.name
+    # the compile installs exactly those, hash-locked, from the staged folder
+    staged = tmp_path / "in" / "build-requires"
+    compile_module.stage_wheels(staged, found["flash-attn"][1], cache)
+    lock = (staged / "requirements.txt").read_text().splitlines()
+    assert [line.split("==")[0] for line in lock] == [w.name for w in found["flash-attn"][1]]
+    assert all("--hash=sha256:" in line for line in lock)
+    assert sorted(p.name for p in staged.glob("*.whl")) == sorted(w.filename for w in found["flash-attn"][1])
+
+
+def test_a_kernel_whose_requirements_change_the_toolchain_gets_a_builder_of_its_own(tmp_path, monkeypatch):
+    from build.kernels import compile as compile_module
+
+    plan = load_plan(REPO_ROOT / "images" / "kernel-smoke")
+    cache = CacheLayout(tmp_path / "cache")
+    monkeypatch.setattr(compile_module, "resolve_closure", _stand_in_resolver(cache, clashing="einops"))
+    engine = FakeEngine()
+    found = {k.name: compile_module.builder_for(k, plan, builder_base="base", cache=cache, engine=engine, log=QUIET)
+             for k in plan.kernels}
+    assert found["flash-attn"][0] != found["causal-conv1d"][0]
+    assert found["flash-attn"][1] == ()                 # everything is in its own image
+    assert [w.name for w in found["causal-conv1d"][1]] == ["ninja", "packaging", "wheel"]
