@@ -109,7 +109,7 @@ def resolve_closure(requirements: tuple[str, ...], *, plan: BuildPlan, cache: Ca
 # build resolves overlapping closures (the image's, each kernel builder's) and re-hashing
 # gigabytes of torch for each would change nothing. Any write, rename, chmod or relink of the
 # file changes its ctime or inode, and the wheel is hashed again.
-_VERIFIED: dict[Path, tuple[str, tuple[int, ...] | None]] = {}
+_VERIFIED: dict[Path, tuple[str, tuple[int, ...]]] = {}
 
 
 def _identity(path: Path) -> tuple[int, ...] | None:

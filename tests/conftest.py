@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-# Several workers share a few cores, and each one's in-process tensors, verify runs and
-# training ranks would otherwise start an OpenMP thread per core: threads that spin on a core
-# while they wait for one. Beside a busy build on 2 cores, `python -m verify` took 15-25
+# Several workers share a few cores, and each one's in-process tensors and verify runs would
+# otherwise start an OpenMP thread per core (training ranks get a share from the launcher):
+# threads that spin on a core while they wait for one. Beside a busy build on 2 cores, `python -m verify` took 15-25
 # CPU seconds with the default threads and 9-10 with one. Set before anything imports torch;
 # subprocesses inherit it, and a test that needs another count sets its own.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -177,13 +177,12 @@ def builder_for(kernel: KernelPlan, plan: BuildPlan, *, builder_base: str, cache
     shared = resolve_closure(toolchain, plan=plan, cache=cache, log=log, purpose=f"{plan.toolchain.name} builder")
     closure = resolve_closure(toolchain + kernel.build_requires, plan=plan, cache=cache, log=log,
                               purpose=f"build requirements of {kernel.name}")
-    extra = wheels_on_top(shared.wheels, closure.wheels)
-    if extra is None:
+    on_top = wheels_on_top(shared.wheels, closure.wheels)
+    if on_top is None:
         log.emit("kernels", f"{kernel.name}'s build requirements change a toolchain package: it gets its own builder",
                  step=kernel.name)
-        return ensure_builder_image(closure, plan, builder_base=builder_base, cache=cache, engine=engine,
-                                    log=log), ()
-    return ensure_builder_image(shared, plan, builder_base=builder_base, cache=cache, engine=engine, log=log), extra
+        shared, on_top = closure, ()
+    return ensure_builder_image(shared, plan, builder_base=builder_base, cache=cache, engine=engine, log=log), on_top
 
 
 def wheels_on_top(base: tuple[Wheel, ...], closure: tuple[Wheel, ...]) -> tuple[Wheel, ...] | None:
