@@ -80,7 +80,16 @@ def docker_engine_available() -> bool:
 def engine():
     """The real Docker engine. Engine-tier tests FAIL (not skip) without one: CI starts dockerd."""
     from build.engine import connect
-    return connect()
+    from tests.fixtures.containers import with_test_env
+
+    engine = connect()
+    run = engine.run
+
+    def run_with_test_env(image, command=None, *, environment=None, **options):
+        return run(image, command, environment=with_test_env(environment), **options)
+
+    engine.run = run_with_test_env     # every container a test starts through the engine
+    return engine
 
 
 def run_build_cli(*args: str, env: dict[str, str] | None = None, timeout: int = 1800) -> subprocess.CompletedProcess:

@@ -227,6 +227,7 @@ def test_audit_runs_verify_no_lock_read_only_no_network_as_the_image_user():
     assert verify_call["entrypoint"][:4] == ["/opt/venv/bin/python3", "-I", "-B", "-c"]
     assert verify_call["network"] == "none" and verify_call["user"] == "1234:1234"
     assert list(verify_call["volumes"].values()) == [{"bind": fi.MOUNT, "mode": "ro"}]
+    assert verify_call["environment"] == {"OMP_NUM_THREADS": "1"}   # the image's env, plus one torch thread
     assert all(c["network"] == "none" and c["user"] == "1234:1234" for c in runner.calls)
     assert not Path(runner.mount).exists()   # the temp folder is gone
     assert "not built by ftimage" in said and "1234:1234 (the image's config User)" in said

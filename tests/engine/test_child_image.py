@@ -11,6 +11,7 @@ import docker
 import pytest
 
 from tests.conftest import REPO_ROOT
+from tests.fixtures.containers import with_test_env
 
 pytestmark = pytest.mark.engine
 
@@ -46,8 +47,8 @@ def child_image(client, smoke_image):
 
 def run(client, image: str, command: list[str] | None = None, *, environment: dict[str, str] | None = None,
         stderr: bool = True) -> tuple[int, str]:
-    container = client.containers.create(image, command, network_mode="none", environment=environment or {},
-                                         detach=True)
+    container = client.containers.create(image, command, network_mode="none",
+                                         environment=with_test_env(environment), detach=True)
     try:
         container.start()
         code = container.wait(timeout=900)["StatusCode"]

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from tests.conftest import run_build_cli
+from tests.fixtures.containers import with_test_env
 from tests.fixtures.keys import write_p256_pair
 from tests.fixtures.registry import Registry
 
@@ -100,7 +101,7 @@ def test_gate_runs_under_the_k8s_security_context(pushed, engine, smoke_image):
     capabilities, no privilege escalation. The smoke image has no fused kernels, so the gate
     refuses (exit 3) unless the override is given."""
     client = docker.from_env(timeout=600)
-    settings = dict(entrypoint=[GATE], read_only=True, tmpfs={"/tmp": ""}, environment={"HOME": "/tmp"},
+    settings = dict(entrypoint=[GATE], read_only=True, tmpfs={"/tmp": ""}, environment=with_test_env({"HOME": "/tmp"}),
                     cap_drop=["ALL"], security_opt=["no-new-privileges"], network_mode="none", user="10001")
     refused = client.containers.run(smoke_image, ["--", "id", "-u"], detach=True, **settings)
     try:
