@@ -55,8 +55,7 @@ def kind_of(cmdline: str, name: str) -> str:
 
 @dataclass
 class Sample:
-    """One process's CPU ticks so far; `key` tells a reused PID from the process it was."""
-    key: tuple[int, str]
+    """One process's kind and CPU ticks so far."""
     kind: str
     ticks: int
 
@@ -66,7 +65,7 @@ class Ledger:
     """CPU ticks charged by kind. The first sight of a process charges nothing: what it used
     before the ledger began is not the command's."""
     hz: int = field(default_factory=lambda: os.sysconf("SC_CLK_TCK"))
-    seen: dict[tuple[int, str], Sample] = field(default_factory=dict)
+    seen: dict[tuple[int, str], Sample] = field(default_factory=dict)   # by (PID, start time): a reused PID is new
     ticks: Counter = field(default_factory=Counter)
     started: bool = False
 
@@ -76,7 +75,7 @@ class Ledger:
             key = (pid, start)
             sample = self.seen.get(key)
             if sample is None:
-                sample = self.seen[key] = Sample(key, kind_of(cmdline, name), ticks)
+                sample = self.seen[key] = Sample(kind_of(cmdline, name), ticks)
                 if self.started:
                     self.ticks[sample.kind] += ticks   # born since the last look: all of it is the command's
                 continue
@@ -106,10 +105,10 @@ def read_processes(proc: Path = Path("/proc")) -> list[tuple[int, str, str, str,
     return found
 
 
-def machine_ticks(stat: Path = Path("/proc/stat")) -> tuple[int, int]:
-    """(busy, all) ticks since boot; idle and iowait are not busy."""
+def busy_ticks(stat: Path = Path("/proc/stat")) -> int:
+    """The machine's busy ticks since boot: all but idle and iowait."""
     values = [int(v) for v in stat.read_text().splitlines()[0].split()[1:9]]
-    return sum(values) - values[3] - values[4], sum(values)
+    return sum(values) - values[3] - values[4]
 
 
 def table(ledger: Ledger, busy_seconds: float, wall: float) -> str:
@@ -136,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ledger, done = Ledger(), threading.Event()
     ledger.observe(read_processes())
-    busy_before, _ = machine_ticks()
+    busy_before = busy_ticks()
     started = time.monotonic()
 
     def sample() -> None:
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         sampler.join()
     ledger.observe(read_processes())
     wall = time.monotonic() - started
-    busy = (machine_ticks()[0] - busy_before) / ledger.hz
+    busy = (busy_ticks() - busy_before) / ledger.hz
     print(table(ledger, busy, wall))
     if args.json:
         args.json.write_text(json.dumps({"command": command, "exit": code, "wall_s": round(wall, 1),
