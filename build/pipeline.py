@@ -1,14 +1,13 @@
-"""`python -m build images/<name>` end to end: plan -> bases -> wheelhouse -> kernels -> context -> image."""
+"""`python -m build images/<name>` end to end: plan -> bases -> wheelhouse -> kernels -> context ->
+image -> check -> prune (`build_image`), then push and share (`build_and_publish`)."""
 from __future__ import annotations
 
-import json
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from build import kernels as kernel_stage
+from build.base import debs_lock
 from build.base.bootstrap import ensure_base
 from build.cache import CacheLayout
 from build.context.dpkg_status import base_packages
@@ -17,14 +16,15 @@ from build.engine import Engine, connect
 from build.engine.diskspace import make_room
 from build.oci.runtime_image import assemble_runtime_image, lock_epoch
 from build.oci.venv import LockedWheel, wheels_epoch
+from build.publish.push import push_image
+from build.publish.reference import PushTarget
+from build.remote_cache import RemoteCache
+from build.report import REPORT_NAME, BuildReport
 from build.resolve import BuildPlan
 from build.source_date import source_date_epoch
 from build.wheelhouse import fill_wheelhouse
 from contracts import atomic, folder_guard
 from contracts.events import EventLog
-
-if TYPE_CHECKING:   # the remote cache is made by the CLI; the pipeline only calls it
-    from build.remote_cache import RemoteCache
 
 CONTEXT_LABEL = "io.ftimage.context.sha256"
 LOCK_LABEL = "io.ftimage.lock.sha256"
@@ -32,51 +32,6 @@ BASE_ID_LABEL = "io.ftimage.base.id"
 IMAGE_LABEL = "io.ftimage.image"
 STAGE_LABEL = "io.ftimage.stage"
 BUILDER_LABEL = "io.ftimage.builder"   # oci or dockerfile: one context gives two different images
-
-
-@dataclass
-class BuildReport:
-    image: str
-    tag: str
-    image_id: str = ""
-    size_bytes: int = 0
-    plan_key: str = ""
-    lock_sha256: str = ""
-    context_sha256: str = ""
-    phase_seconds: dict[str, float] = field(default_factory=dict)
-    cache: dict[str, Any] = field(default_factory=dict)
-    steps: list[tuple[str, float]] = field(default_factory=list)
-    pruned: list[str] = field(default_factory=list)
-    pushed: dict[str, str] = field(default_factory=dict)    # filled by `--push`: repository, digest, reference
-    remote_cache: dict[str, Any] = field(default_factory=dict)   # with --cache-registry: trust, hits, pushes
-    builder: str = "oci"            # "oci": assembled by build/oci; "dockerfile": the classic builder
-    manifest_digest: str = ""       # oci: the OCI manifest's sha256, which a push preserves
-    diff_ids: list[str] = field(default_factory=list)
-    layout: str = ""                # oci: the OCI image layout in the output folder
-    layers_sent: int = 0            # oci: layers the engine was sent (the rest it already held)
-    total_seconds: float = 0.0
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
-
-    def render(self) -> str:
-        lines = [f"built {self.tag}  ({self.image_id[:19]}, {self.size_bytes / 2 ** 30:.2f} GiB)",
-                 f"plan {self.plan_key[:16]}  lock sha256 {self.lock_sha256[:16]}  context {self.context_sha256[:16]}",
-                 "", f"{'PHASE':<12} {'SECONDS':>8}"]
-        lines += [f"{phase:<12} {secs:>8.1f}" for phase, secs in self.phase_seconds.items()]
-        lines += [f"{'total':<12} {self.total_seconds:>8.1f}", "", "CACHE"]
-        lines += [f"  {what:<30} {state}" for what, state in self.cache.items()]
-        if self.pruned:
-            lines += ["", f"pruned superseded images: {', '.join(self.pruned)}"]
-        if self.pushed:
-            lines += ["", f"pushed {self.pushed['reference']}"]
-        if self.remote_cache:
-            rc = self.remote_cache
-            lines += ["", f"remote cache {rc['repository']}: {rc['hits']} hit(s), "
-                      f"{rc['bytes_pulled'] / 2 ** 20:.1f} MiB pulled, {rc['pushed']} pushed, trust: {rc['trust']}"
-                      + (f"; UNAVAILABLE: {rc['unavailable']}" if rc["unavailable"] else "")]
-            lines += [f"  refused {tag}: {why}" for tag, why in rc["refused"].items()]
-        return "\n".join(lines)
 
 
 class PhaseTimer:
@@ -103,9 +58,10 @@ BUILDERS = ("oci", "dockerfile")
 def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: EventLog,
                 engine: Engine | None = None, force: bool = False, builder: str = "oci",
                 remote: RemoteCache | None = None) -> BuildReport:
-    """`remote`: the remote cache, read for what the local cache lacks; the kernel entries this
-    build used are pushed right after the kernel stage, its layers are queued on it for the
-    caller to push (`remote.flush`) after any image push."""
+    """Build the image `plan` describes and write its build report. `remote`: the remote cache,
+    read for what the local cache lacks; the kernel entries this build used are pushed right
+    after the kernel stage, its layers are queued on it for `build_and_publish` to push after
+    any image push."""
     started = time.monotonic()
     folder_guard.claim(out_dir, folder_guard.OUTPUT_MARKER, what="output folder", option="--out", force=force)
     timer = PhaseTimer(log)
@@ -179,7 +135,27 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
     report.total_seconds = round(time.monotonic() - started, 2)
     if remote is not None:
         report.remote_cache = remote.record()
-    atomic.write_text(out_dir / "build-report.json", report.to_json())
+    atomic.write_text(out_dir / REPORT_NAME, report.to_json())
+    return report
+
+
+def build_and_publish(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: EventLog,
+                      force: bool = False, builder: str = "oci", remote: RemoteCache | None = None,
+                      push_target: PushTarget | None = None, sign_key=None) -> BuildReport:
+    """What `python -m build IMAGE_DIR [--push REPO [--sign KEY]] [--cache-registry REPO]` does:
+    build the image, push it (and sign it), then flush the remote cache's queued layers, then
+    write the report once more with what the push and the cache did. The order matters: the
+    flush mounts layer blobs the push already stored in the same registry, instead of sending
+    them twice."""
+    report = build_image(plan, cache=cache, out_dir=out_dir, log=log, force=force, builder=builder,
+                         remote=remote)
+    if push_target is not None:
+        push_image(report, push_target, out_dir=out_dir, log=log, sign_key=sign_key)
+    if remote is not None:
+        same_registry = push_target is not None and push_target.registry == remote.options.registry
+        remote.flush(mount_from=push_target.path if same_registry else "")
+        report.remote_cache = remote.record()
+        atomic.write_text(out_dir / REPORT_NAME, report.to_json())
     return report
 
 
@@ -211,7 +187,6 @@ def base_identities(engine: Engine, plan: BuildPlan, bases: dict) -> dict[str, s
     """What the lock records of each base: the image ID (the canonical config's digest for a
     bootstrapped base), its layers' diffIDs (the root filesystem itself) and the digest of the
     deb lock it was bootstrapped from."""
-    from build.base import debs_lock
 
     found: dict[str, str] = {}
     for stage, ref in (("builder", plan.spec.builder_base), ("runtime", plan.spec.runtime_base)):

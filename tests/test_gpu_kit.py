@@ -129,7 +129,7 @@ class Absent(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, Absent())
 failed = []
-names = ["build.cli.main", "build.cli.kernels", "build.build_here", "bench.gpu_proof", "bench.kit_finetune",
+names = ["build.cli.main", "build.cli.kernels", "build.kernels.build_here", "bench.gpu_proof", "bench.kit_finetune",
          "bench.gpu_bench"]
 for package in ("entrypoint", "verify", "families", "contracts"):
     module = importlib.import_module(package)

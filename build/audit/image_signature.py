@@ -16,12 +16,15 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from dataclasses import dataclass
 
 from build import signing
 from build.publish.attest import DSSE, IN_TOTO, PREDICATE_TYPE, SIGNATURE_ANNOTATION, SIMPLE_SIGNING, artifact_tag, pae
-from build.publish.push import DIGEST, parse_push_target
+from build.publish.reference import DIGEST, PushReferenceErrors, parse_push_target
 from build.publish.registry import Registry, RegistryError
+from contracts.schema import Problem
+from contracts.table import render_table
 
 LOCK_LABEL = "io.ftimage.lock.sha256"
 PLAN_LABEL = "io.ftimage.plan-key"
@@ -40,14 +43,9 @@ class Refused(Exception):
 
 def split_reference(value: str) -> tuple[str, str]:
     """(REGISTRY/REPO, tag or digest); the name is checked with --push's grammar (exit 2 if bad)."""
-    import re
-
     name, at, digest = value.partition("@")
     if at:
         if not re.fullmatch(DIGEST, digest):
-            from build.publish.push import PushReferenceErrors
-            from contracts.schema import Problem
-
             raise PushReferenceErrors([Problem("verify-image", "digest", f"{digest[:80]!r} is not a sha256 digest",
                                                "write REGISTRY/REPO@sha256:<64 hex>, as build-report.json records")])
         reference = digest
@@ -194,7 +192,5 @@ def verify_image(reference: str, key, registry: Registry | None = None) -> list[
 
 
 def render(rows: list[Row]) -> str:
-    from contracts.table import render_table
-
     return render_table([[r.check, "PASS" if r.passed else "FAIL", r.detail] for r in rows],
                         ["CHECK", "STATUS", "DETAIL"])

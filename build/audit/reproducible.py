@@ -13,7 +13,6 @@ differing paths are shown (with diffoscope's report too, when it is installed); 
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -22,10 +21,11 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from build.errors import BuildFailure
+from build.publish.reference import PushTarget
 from build.spec import REPO_ROOT
 from contracts import folder_guard
 from contracts.schema import InvalidInput, Problem
@@ -217,7 +217,7 @@ def _build(clone: Path, image_rel: str, work: Path, label: str, *, umask: int, t
                        seconds=round(time.monotonic() - started, 1))
 
 
-def _push(result: BuildResult, target) -> None:
+def _push(result: BuildResult, target: PushTarget) -> None:
     from build.publish.registry import LayoutPushClient, Registry
 
     client = LayoutPushClient(Path(result.layout), Registry(target.registry), target.path)
@@ -237,30 +237,18 @@ def untracked_build_inputs(repo: Path) -> list[str]:
     return [line[3:] for line in out.splitlines() if line.startswith("?? ")]
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m build verify-reproducible", description=__doc__.split("\n\n")[0])
-    p.add_argument("image_dir", type=Path, help="an image folder of this checkout, e.g. images/smoke")
-    p.add_argument("--work", type=Path, help="where the clones, caches and outputs go (default: a temporary "
-                   "folder, removed afterwards)")
-    p.add_argument("--push-to", metavar="REPOSITORY", help="also push both builds to REGISTRY/REPO (tags repro-a "
-                   "and repro-b) and compare the registry's digests")
-    p.add_argument("--kernels-from", type=Path, metavar="CACHE", help="share this cache's compiled kernels with "
-                   "both builds (hard links): compiling kernels twice is slow and nvcc's output is out of scope")
-    p.add_argument("--inputs-from", type=Path, metavar="CACHE", help="share this cache's downloads (wheels, "
-                   "kernel sources, .debs; all pinned by sha256) with both builds: the resolution, the base, every "
-                   "layer and the image are still made from scratch twice")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    image_dir = args.image_dir.resolve()
-    if not image_dir.is_relative_to(REPO_ROOT) or not (image_dir / "image.yaml").is_file():
-        raise ReproducibleArgs([Problem("verify-reproducible", "IMAGE_DIR", f"{args.image_dir} is not an image "
+def check_image_dir(image_dir: Path) -> Path:
+    """The image folder, resolved; one outside this checkout, or with no image.yaml, is exit 2."""
+    resolved = image_dir.resolve()
+    if not resolved.is_relative_to(REPO_ROOT) or not (resolved / "image.yaml").is_file():
+        raise ReproducibleArgs([Problem("verify-reproducible", "IMAGE_DIR", f"{image_dir} is not an image "
                                         f"folder of this checkout ({REPO_ROOT})",
                                         "name a folder under images/ that holds an image.yaml", "not-an-image")])
-    target = None
-    if args.push_to:
-        from build.publish.push import parse_push_target
+    return resolved
 
-        target = parse_push_target(args.push_to)
+
+def note_what_is_left_out() -> None:
+    """The clones hold only HEAD: say so when the checkout has more."""
     dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True).stdout.strip()
     if dirty:
@@ -272,29 +260,30 @@ def main(argv: list[str]) -> int:
                                                      if len(untracked) > SHOWN_PATHS else "")
         print(f"verify-reproducible: note: {len(untracked)} untracked file(s) a build of this checkout would copy "
               f"are not part of the check (the clones hold only HEAD): {shown}", file=sys.stderr)
-    work = args.work or Path(tempfile.mkdtemp(prefix="ftimage-repro-"))
-    work.mkdir(parents=True, exist_ok=True)
+
+
+def verify_reproducible(image_dir: Path, *, work: Path | None = None, push_to: PushTarget | None = None,
+                        kernels_from: Path | None = None,
+                        inputs_from: Path | None = None) -> tuple[Comparison, list[BuildResult]]:
+    """Build `image_dir` twice from two fresh clones of HEAD (another umask, time zone and host
+    name for the second), push both when `push_to` is given, and compare them. `work`: where the
+    clones, caches and outputs go; by default a temporary folder, removed afterwards."""
+    image_dir = check_image_dir(image_dir)
+    note_what_is_left_out()
+    folder = work or Path(tempfile.mkdtemp(prefix="ftimage-repro-"))
+    folder.mkdir(parents=True, exist_ok=True)
     rel = str(image_dir.relative_to(REPO_ROOT))
     try:
         results = []
         other_host = SECOND_BUILD_HOSTNAME if _can_unshare() else None
         for label, umask, tz, host in (("A", 0o022, "UTC", None), ("B", 0o077, SECOND_BUILD_TZ, other_host)):
-            clone = _clone(work, f"clone-{label}")
-            results.append(_build(clone, rel, work, label, umask=umask, tz=tz, hostname=host,
-                                  kernels_from=args.kernels_from, inputs_from=args.inputs_from,
-                                  log_to=sys.stderr))
-        if target is not None:
+            clone = _clone(folder, f"clone-{label}")
+            results.append(_build(clone, rel, folder, label, umask=umask, tz=tz, hostname=host,
+                                  kernels_from=kernels_from, inputs_from=inputs_from, log_to=sys.stderr))
+        if push_to is not None:
             for result in results:
-                _push(result, target)
-        comparison = compare(*results)
-        if args.json:
-            print(json.dumps({"reproducible": comparison.same, "builds": [asdict(r) for r in results],
-                              "rows": [{"what": w, "a": a, "b": b, "same": s} for w, a, b, s in comparison.rows],
-                              "first_differing_layer": comparison.first_differing_layer,
-                              "differing_paths": comparison.differing_paths}, indent=2))
-        else:
-            print(comparison.render(*results))
-        return 0 if comparison.same else 1
+                _push(result, push_to)
+        return compare(*results), results
     finally:
-        if args.work is None:
-            shutil.rmtree(work, ignore_errors=True)
+        if work is None:
+            shutil.rmtree(folder, ignore_errors=True)

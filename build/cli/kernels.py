@@ -123,7 +123,7 @@ def _check(args, log: EventLog) -> int:
 
 
 def _build_here(args, log: EventLog) -> int:
-    from build.build_here import build_here
+    from build.kernels.build_here import build_here
     from build.remote_cache.options import options_from_args
     from build.spec import MANIFEST_PATH
 

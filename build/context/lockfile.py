@@ -2,10 +2,15 @@
 Its format is contracts.lock, the one definition verify/ and entrypoint/ read."""
 from __future__ import annotations
 
-from build.kernels.wheel import KernelWheel
+from typing import TYPE_CHECKING
+
 from build.resolve import BuildPlan
 from build.wheelhouse import Wheel
 from contracts.lock import BuildLock, LockedKernel, LockedPackage
+
+if TYPE_CHECKING:   # the wheel type only, for annotations: kernels/build_here.py makes locks with
+    # this folder, so a runtime import back into kernels/ would close a cycle
+    from build.kernels.wheel import KernelWheel
 
 
 def locked_kernels(plan: BuildPlan, kernel_wheels: tuple[KernelWheel, ...]) -> tuple[LockedKernel, ...]:

@@ -15,6 +15,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from packaging.utils import parse_wheel_filename
 
@@ -24,7 +25,6 @@ from build.context import render_target
 from build.context.dpkg_status import DebPackage
 from build.context.lockfile import make_lock
 from build.context.sbom import render_sbom
-from build.kernels.wheel import KernelWheel
 from build.resolve import BuildPlan
 from build.source_date import source_date_epoch
 from build.spec import REPO_ROOT
@@ -32,6 +32,10 @@ from build.templating import render_template
 from build.wheelhouse import Wheel, requirements_lock
 from contracts import folder_guard
 from contracts.lock import LOCK_PATH, BuildLock
+
+if TYPE_CHECKING:   # the wheel type only, for annotations: kernels/build_here.py makes locks with
+    # this folder, so a runtime import back into kernels/ would close a cycle
+    from build.kernels.wheel import KernelWheel
 
 # What runs in the image, and nothing else: no tests, no fixtures, no dev tools.
 APP_PACKAGES = ("contracts", "families", "verify", "guard", "entrypoint")

@@ -19,7 +19,8 @@ from typing import Any
 import jinja2
 
 from build.errors import BuildFailure
-from build.publish.push import DIGEST, REPORT_NAME, PushRecord, reference_problems
+from build.publish.reference import DIGEST, reference_problems
+from build.report import REPORT_NAME, PushRecord
 from build.resolve import BuildPlan
 from build.spec import REPO_ROOT
 from contracts.schema import InvalidInput, Problem

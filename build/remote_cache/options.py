@@ -98,7 +98,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace, *, sign_key=None) -> RemoteCacheOptions | None:
     """The remote cache this command uses, or None; CacheOptionErrors (exit 2) for a bad one.
     `sign_key`: the already loaded `--sign` key, if any."""
-    from build.publish.push import reference_problems
+    from build.publish.reference import reference_problems
 
     value = args.cache_registry if args.cache_registry is not None else os.environ.get(ENV) or None
     problems: list[Problem] = []

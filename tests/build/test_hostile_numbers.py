@@ -72,7 +72,7 @@ def test_errors_that_echo_a_url_mask_its_secrets(tmp_path, url, secret):
 
 
 def test_a_push_reference_with_credentials_is_refused_without_echoing_them():
-    from build.publish.push import reference_problems
+    from build.publish.reference import reference_problems
 
     problems = reference_problems("alice:s3cr3t@registry.example.com:5000/team/qwen27b")
     assert len(problems) == 1 and "credentials" in problems[0].problem and "s3cr3t" not in problems[0].problem

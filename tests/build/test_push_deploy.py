@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from build.errors import BuildFailure
-from build.pipeline import BuildReport
-from build.publish.push import PushTarget, push_image
+from build.publish.push import push_image
+from build.publish.reference import PushTarget
+from build.report import BuildReport
 from build.resolve import load_plan
 from build.spec import MANIFEST_PATH, REPO_ROOT
 from contracts.events import EventLog

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-import build.build_here as build_here_module
+import build.kernels.build_here as build_here_module
 from build import pipeline
-from build.build_here import HostKernel
 from build.cache import CacheLayout
 from build.cli import kernels as kernels_cli
 from build.errors import BuildFailure
+from build.kernels.build_here import HostKernel
 from build.kernels.store import KernelStore
 from build.kernels.wheel_checks import CheckRow
 from build.remote_cache import RemoteCache
