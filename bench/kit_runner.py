@@ -20,13 +20,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from contracts.errors import FixableError
+
 TIMED_OUT = 124
 
 
-class ResultsNotWritable(Exception):
+class ResultsNotWritable(FixableError):
+    exit_code = 2   # bench/gpu_proof.py
+
     def __init__(self, path: Path, why: str):
-        super().__init__(f"the results folder {path} is not writable: {why}")
-        self.fix = "pass --results DIR on a writable volume (or set FTIMAGE_PROOF_OUT)"
+        super().__init__(f"the results folder {path} is not writable: {why}",
+                         "pass --results DIR on a writable volume (or set FTIMAGE_PROOF_OUT)")
 
 
 class Runner:

@@ -28,6 +28,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from contracts.errors import FixableError
+
 VERSION = "3.7.1"
 WHEEL_PYTHON = "3.12"
 DROP_PREFIXES = ("triton/backends/nvidia/bin/", "triton/backends/nvidia/lib/cupti/", "triton/backends/amd/",
@@ -37,10 +39,9 @@ STRIP = ("triton/_C/libtriton.so", "triton/_C/libproton.so")
 PAYLOAD = "triton.tar.xz"
 
 
-class KitTritonError(Exception):
+class KitTritonError(FixableError):
     def __init__(self, message: str, fix: str):
-        super().__init__(message)
-        self.fix = fix
+        super().__init__(message, fix)
 
 
 def sha256(path: Path) -> str:

@@ -20,6 +20,7 @@ import stat
 from pathlib import Path
 
 from contracts import atomic
+from contracts.errors import FixableError
 
 # The marker file that says which role this tool created or adopted a folder for.
 RENDER_MARKER = ".ftimage-render"
@@ -27,12 +28,13 @@ OUTPUT_MARKER = ".ftimage-output"
 CACHE_MARKER = ".ftimage-cache"
 
 
-class UnsafeFolder(Exception):
+class UnsafeFolder(FixableError):
     """A folder (or a file in one) is not ours to write or to read through (exit code 2)."""
 
+    exit_code = 2   # build/cli/main.py: EXIT_BAD_SPEC
+
     def __init__(self, message: str, fix: str):
-        super().__init__(message)
-        self.fix = fix
+        super().__init__(message, fix)
 
 
 # ---- claimed folders: a marker file names the role this tool created or adopted them for ----

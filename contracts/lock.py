@@ -13,17 +13,20 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from contracts.errors import FixableError
+
 LOCK_PATH = Path("/etc/ftimage/build.lock.json")
 LOCK_ENV = "FTIMAGE_LOCK"  # overrides LOCK_PATH (tests, or running outside the image)
 SCHEMA_VERSION = 2
 
 
-class LockError(Exception):
+class LockError(FixableError):
     """The lock is missing or unreadable; carries a fix for the user."""
 
+    exit_code = 1   # entrypoint/cli.py `info`; verify shows it as a FAIL row instead
+
     def __init__(self, message: str, fix: str):
-        super().__init__(message)
-        self.fix = fix
+        super().__init__(message, fix)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,17 +14,19 @@ from typing import Any
 
 import yaml
 
+from contracts.errors import FixableError
+
 MAX_FILE_BYTES = 1 << 20
 MAX_STRING = 64 * 1024
 MAX_DEPTH = 64
 
 
-class YamlRefused(Exception):
+class YamlRefused(FixableError):
     """Why a document was not loaded; `where` is "line L, column C" when known."""
 
     def __init__(self, problem: str, fix: str, code: str, where: str = ""):
-        super().__init__(problem)
-        self.problem, self.fix, self.code, self.where = problem, fix, code, where
+        super().__init__(problem, fix)
+        self.problem, self.code, self.where = problem, code, where
 
 
 def _where(mark) -> str:

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from contracts.errors import headline
 from entrypoint.observability.console import ALLOW_FALLBACK_ENV, err, log, truthy
 
 EXIT_USAGE = 2
@@ -156,6 +157,6 @@ def inspect_data(argv: list[str]) -> int:
         tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path, cfg.model.trust_remote_code)
         inspect(cfg, tokenizer, rows=args.rows, as_json=args.json, colour=sys.stdout.isatty() and not args.json)
     except (ConfigError, DataError, ModelError, InputError) as exc:
-        err(str(exc).split("\n")[0], getattr(exc, "fix", ""))
+        err(headline(exc), getattr(exc, "fix", ""))
         return EXIT_USAGE
     return 0

@@ -15,15 +15,15 @@ import os
 import stat
 from pathlib import Path
 
+from contracts.errors import FixableError
+
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
 JSON_LIMIT = 16 << 20
 
 
-class InputError(Exception):
+class InputError(FixableError):
     def __init__(self, message: str, fix: str, field: str = ""):
-        super().__init__(message)
-        self.fix = fix
-        self.field = field
+        super().__init__(message, fix, field)
 
 
 def _kind(mode: int) -> str:

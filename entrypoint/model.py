@@ -7,11 +7,14 @@ from pathlib import Path
 
 import torch
 
+from contracts.errors import FixableError
 
-class ModelError(Exception):
+
+class ModelError(FixableError):
+    fix_in_str = True
+
     def __init__(self, message: str, fix: str):
-        super().__init__(f"{message}\n  fix: {fix}")
-        self.fix = fix
+        super().__init__(message, fix)
 
 
 def resolve_attention(configured: str, lock_attn: str | None, device_type: str) -> str:

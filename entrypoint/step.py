@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from contracts.errors import FixableError
 from entrypoint.data.micro_batches import MicroBatch
 from entrypoint.distributed import collectives
 from entrypoint.loss import loss_sum, to_device
@@ -24,16 +25,17 @@ from entrypoint.loss import loss_sum, to_device
 N_LOSS, N_REAL, AREA, SUM_SQ, STOP = range(5)
 
 
-class NonFiniteLoss(Exception):
+class NonFiniteLoss(FixableError):
     """The loss or the gradient norm became NaN or inf: the run stops before the optimizer steps,
     and nothing with non-finite weights is ever checkpointed or exported."""
 
     def __init__(self, step: int, what: str, value: float):
+        # the text names inspect-data in its own fix line; .fix is the shorter one for reports
         super().__init__(f"the {what} became {value} at step {step}; stopping before the optimizer step, without "
                          "a checkpoint or export of this step\n"
                          "  fix: lower train.lr or raise train.warmup_steps, check the data (inspect-data), "
-                         "and resume from the last checkpoint")
-        self.fix = "lower train.lr or raise train.warmup_steps, check the data, resume from the last checkpoint"
+                         "and resume from the last checkpoint",
+                         "lower train.lr or raise train.warmup_steps, check the data, resume from the last checkpoint")
 
 
 @dataclass

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from contracts import safe_yaml
+from contracts.errors import FixableError
 from contracts.schema import InvalidInput, Problems, Reader, rule
 
 FAMILIES_DIR = Path(__file__).resolve().parent
@@ -33,10 +34,10 @@ DTYPES = ("bf16", "fp16")
 FEATURES = ("dropout", "alibi", "softcap", "sliding_window")
 
 
-class UnknownFamily(Exception):
+class UnknownFamily(FixableError):
     def __init__(self, name: str, known: list[str]):
-        super().__init__(f"model family {name!r} is not known (known: {', '.join(known) or 'none'})")
-        self.fix = f"build the image for one of: {', '.join(known)}, or add families/{name}.yaml"
+        super().__init__(f"model family {name!r} is not known (known: {', '.join(known) or 'none'})",
+                         f"build the image for one of: {', '.join(known)}, or add families/{name}.yaml")
 
 
 class FamilyError(InvalidInput):

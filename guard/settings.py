@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from contracts.errors import FixableError
+
 GUARD_ENV = "FTIMAGE_GUARD"                # on (default) | off
 STEPS_ENV = "FTIMAGE_GUARD_STEPS"          # training steps to check, default 2
 REPORT_ENV = "FTIMAGE_GUARD_REPORT"        # where the JSON report is written (atomically)
@@ -16,10 +18,12 @@ MAX_STEPS = 1_000_000
 ON, OFF = ("", "1", "on", "true", "yes"), ("0", "off", "false", "no")
 
 
-class BadSetting(Exception):
+class BadSetting(FixableError):
+    exit_code = 2   # guard/record.py: BAD_SETTING
+
     def __init__(self, problem: str, fix: str):
-        super().__init__(problem)
-        self.problem, self.fix = problem, fix
+        super().__init__(problem, fix)
+        self.problem = problem
 
 
 def truthy(value: str | None) -> bool:

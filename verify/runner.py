@@ -8,6 +8,7 @@ import traceback
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from contracts.errors import FixableError
 from contracts.lock import LockError, load_lock, lock_path
 from families import DEFAULT_FAMILY, FamilyError, UnknownFamily, load_family
 from verify.context import Context
@@ -27,12 +28,11 @@ PARAM_DTYPES = ("bfloat16", "float16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
 
 
-class UsageError(Exception):
+class UsageError(FixableError):
     """Bad arguments; carries a fix like every other error the user sees."""
 
     def __init__(self, message: str, fix: str):
-        super().__init__(message)
-        self.fix = fix
+        super().__init__(message, fix)
 
 
 def parse_checks(spec: str | Iterable[str] | None, *, no_lock: bool = False) -> tuple[str, ...]:

@@ -14,16 +14,18 @@ import stat
 import tempfile
 from pathlib import Path
 
+from contracts.errors import FixableError
+
 CANDIDATES = ("/tmp", "/var/tmp", "/dev/shm")
 CACHE_VARS = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor", "XDG_CACHE_HOME": "xdg",
               "MPLCONFIGDIR": "matplotlib"}
 
 
-class NoScratch(Exception):
+class NoScratch(FixableError):
     def __init__(self, tried: list[str]):
-        super().__init__(f"no writable temporary directory (tried {', '.join(tried)})")
-        self.fix = "mount a tmpfs at /tmp (docker run --tmpfs /tmp, or an emptyDir in Kubernetes), or set TMPDIR " \
-                   "to a writable path"
+        super().__init__(f"no writable temporary directory (tried {', '.join(tried)})",
+                         "mount a tmpfs at /tmp (docker run --tmpfs /tmp, or an emptyDir in Kubernetes), or set TMPDIR "
+                         "to a writable path")
 
 
 def _writable(path: str) -> bool:

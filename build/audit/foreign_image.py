@@ -38,6 +38,7 @@ from build.audit.verify_payload import (
 )
 from build.engine import ContainerStartFailed, Engine
 from build.spec.shapes import IMAGE_REF, SHA256
+from contracts.errors import FixableError
 
 MIN_PYTHON = (3, 10)
 INTERPRETERS = ("python3", "python")
@@ -108,15 +109,13 @@ sys.exit(code)
 """
 
 
-class AuditRefused(Exception):
+class AuditRefused(FixableError):
     """Nothing was audited (exit 2): a bad reference, a missing image, an image verify cannot run in."""
 
-    def __init__(self, message: str, fix: str):
-        super().__init__(message)
-        self.fix = fix
+    exit_code = 2   # build/cli/audit_command.py: EXIT_FAIL
 
-    def render(self) -> str:
-        return f"error: {self}\n    fix: {self.fix}"
+    def __init__(self, message: str, fix: str):
+        super().__init__(message, fix)
 
 
 def validate_reference(ref: str) -> str:

@@ -20,6 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from contracts.errors import FixableError
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROJECT_PACKAGES = ("verify", "contracts", "families")
 # What is being audited: the image's own or nothing. Never carried from this host.
@@ -28,10 +30,9 @@ REQUIRED_FROM_IMAGE = ("torch", "transformers")
 CARRY_SUFFIXES = (".py", ".typed")
 
 
-class PayloadError(Exception):
+class PayloadError(FixableError):
     def __init__(self, message: str, fix: str):
-        super().__init__(message)
-        self.fix = fix
+        super().__init__(message, fix)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from build.errors import BuildFailure
 from build.kernels.store import KEY, META, WHEEL, KernelStore
 from build.resolve import digest
 from contracts import atomic
+from contracts.errors import FixableError
 
 MANIFEST = "export-manifest.json"
 SIGNATURE = MANIFEST + ".sig"
@@ -50,10 +51,11 @@ SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 EXIT_REFUSED = 3
 
 
-class ImportRefused(Exception):
+class ImportRefused(FixableError):
+    exit_code = EXIT_REFUSED   # build/cli/main.py maps it to its EXIT_REFUSED, the same 3
+
     def __init__(self, message: str, fix: str):
-        super().__init__(message)
-        self.fix = fix
+        super().__init__(message, fix)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from contracts import atomic
+from contracts.errors import FixableError, headline
 from contracts.folder_guard import is_real_dir, is_real_file, real_dir
 from entrypoint.checkpoint import rng_state
 from entrypoint.checkpoint import trainer_state as ts
@@ -50,10 +51,11 @@ from entrypoint.checkpoint.trainer_state import MARKER, TRAINER_STATE, TrainerSt
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
-class CheckpointError(Exception):
+class CheckpointError(FixableError):
+    fix_in_str = True
+
     def __init__(self, message: str, fix: str):
-        super().__init__(f"{message}\n  fix: {fix}")
-        self.fix = fix
+        super().__init__(message, fix)
 
 
 class DiskFull(CheckpointError):
@@ -354,7 +356,7 @@ class Checkpointer:
         try:
             state = read_state(path, ranks=[self.rank], param_groups=len(optimizer.param_groups))
         except CheckpointError as exc:
-            verdict = (str(exc).split("\n")[0], exc.fix)
+            verdict = (headline(exc), exc.fix)
         verdicts = [verdict]
         if dist.is_initialized() and dist.get_world_size() > 1:
             verdicts = [None] * dist.get_world_size()

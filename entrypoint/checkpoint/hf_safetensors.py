@@ -23,6 +23,7 @@ import json
 import shutil
 from pathlib import Path
 
+from contracts.errors import FixableError
 from entrypoint.checkpoint import json_limits
 from entrypoint.checkpoint.safetensors_header import HEADER_LIMIT, MALFORMED_FIX, HeaderError, read_header
 
@@ -30,10 +31,11 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-class SourceCheckpointError(Exception):
+class SourceCheckpointError(FixableError):
+    fix_in_str = True
+
     def __init__(self, message: str, fix: str):
-        super().__init__(f"{message}\n  fix: {fix}")
-        self.fix = fix
+        super().__init__(message, fix)
 
 
 def _header(path: Path) -> dict:

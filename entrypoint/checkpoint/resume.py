@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from contracts.errors import FixableError
 from contracts.finetune_config import RESUME_KEYS, FinetuneConfig
 
 SCHEDULE_KEYS = ("train.lr", "train.max_steps", "train.warmup_steps", "train.min_lr_ratio", "train.epochs")
@@ -26,10 +27,11 @@ STREAM_PATTERNS = ("data.*", "packing.*", "train.seed")
 CORPUS_PATTERNS = ("data.*", "train.seed")
 
 
-class ResumeRefused(Exception):
+class ResumeRefused(FixableError):
+    fix_in_str = True
+
     def __init__(self, message: str, fix: str):
-        super().__init__(f"{message}\n  fix: {fix}")
-        self.fix = fix
+        super().__init__(message, fix)
 
 
 def run_config(cfg: FinetuneConfig, requested_packing: str | None = None) -> dict[str, Any]:

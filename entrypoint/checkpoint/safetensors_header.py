@@ -15,6 +15,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
+from contracts.errors import FixableError
 from entrypoint.checkpoint import json_limits
 
 HEADER_LIMIT = 100 << 20     # the safetensors format's own limit
@@ -32,10 +33,9 @@ MALFORMED_FIX = "re-export the model, or point model.path at an intact copy"
 TRUNCATED_FIX = "copy the model again; check that the download finished"
 
 
-class HeaderError(ValueError):
+class HeaderError(FixableError, ValueError):
     def __init__(self, message: str, fix: str = MALFORMED_FIX):
-        super().__init__(message)
-        self.fix = fix
+        super().__init__(message, fix)
 
 
 def _is_int(value: object) -> bool:

@@ -16,6 +16,7 @@ import stat
 from pathlib import Path, PurePosixPath
 
 from contracts import safe_yaml
+from contracts.errors import FixableError
 from entrypoint.inputs import check_data_path
 
 README = "README.md"
@@ -24,12 +25,11 @@ COPY_FIX = ("copy the dataset into one folder of real files (`huggingface-cli do
             "--local-dir DIR` writes them) and point data.path at it")
 
 
-class FolderRefused(Exception):
+class FolderRefused(FixableError):
     """The folder's declared layout is unusable; sources.py turns it into a DataError on its field."""
 
     def __init__(self, message: str, fix: str):
-        super().__init__(message)
-        self.fix = fix
+        super().__init__(message, fix)
 
 
 def _inside(path: str | Path, root: Path) -> bool:

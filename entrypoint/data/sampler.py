@@ -14,12 +14,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from contracts.errors import FixableError
 from entrypoint.data.packing import Bins, pack_windows
 
 
-class SamplerStateError(Exception):
+class SamplerStateError(FixableError):
+    fix_in_str = True
+
     def __init__(self, message: str, fix: str):
-        super().__init__(f"{message}\n  fix: {fix}")
+        super().__init__(message, fix)
 
 
 @dataclass

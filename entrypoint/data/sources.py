@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from contracts.errors import FixableError
 from entrypoint.data.dataset_folder import FolderRefused, split_files, splits
 from entrypoint.inputs import InputError, check_data_path
 
@@ -26,13 +27,13 @@ FORMATS = ("auto", "jsonl", "json", "parquet", "arrow", "disk")
 DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
-class DataError(Exception):
+class DataError(FixableError):
     """The data source as a whole is unusable (missing file, unreadable format)."""
 
+    fix_in_str = True
+
     def __init__(self, message: str, fix: str, field: str = "data.path"):
-        super().__init__(f"{message}\n  fix: {fix}")
-        self.fix = fix
-        self.field = field
+        super().__init__(message, fix, field)
 
 
 @dataclass(frozen=True)

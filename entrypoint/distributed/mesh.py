@@ -16,14 +16,17 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from contracts.errors import FixableError
+
 STATE_BYTES_PER_PARAM = 16
 FIT_FRACTION = 0.8   # what the state may take of a GPU: the rest is activations, gathered units, slack
 
 
-class MeshError(Exception):
+class MeshError(FixableError):
+    fix_in_str = True
+
     def __init__(self, message: str, fix: str):
-        super().__init__(f"{message}\n  fix: {fix}")
-        self.fix = fix
+        super().__init__(message, fix)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ def prepare_export(*, config_file: str | None, overrides: list[str], checkpoint:
         check_writable(cfg.output.dir)
         launch_dir = real_dir(Path(cfg.output.dir) / ".launch")
     except (UnsafeFolder, SourceCheckpointError, CheckpointError, LaunchError) as exc:
-        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
+        raise FinetuneError.from_error(exc) from None
     log(f"[finetune] exporting {path} (step {state.step}, saved by {state.world_size} ranks) on "
         f"{topo.nnodes * topo.nproc_per_node} ranks; no verify gate: exporting runs no fused kernel")
     plan = RunPlan(config=cfg, config_file=config_file, overrides=list(overrides), verify={}, allow_fallback=False,

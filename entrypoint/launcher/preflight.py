@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from contracts.errors import FixableError
 from contracts.finetune_config import FinetuneConfig, build_config, parse_override, provenance, read_yaml, set_dotted
 from contracts.folder_guard import UnsafeFolder, real_dir
 from entrypoint.launcher.output_dir import ephemeral_warning, resolve_output_dir
@@ -24,11 +25,10 @@ from entrypoint.observability.tracker_check import process_env
 EXIT_GATE = 3  # verify did not pass and --allow-fallback was not given
 
 
-class FinetuneError(Exception):
+class FinetuneError(FixableError):
     def __init__(self, message: str, fix: str, exit_code: int = 2):
-        super().__init__(message)
-        self.fix = fix
-        self.exit_code = exit_code
+        super().__init__(message, fix)
+        self.exit_code = exit_code   # 2 (finetune_cli.EXIT_USAGE), or EXIT_GATE when verify did not pass
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,7 +143,7 @@ def check_inputs(cfg: FinetuneConfig, log: Callable[[str], None]) -> None:
     try:
         cfg.output.dir = str(resolve_output_dir(cfg.output.dir))
     except UnsafeFolder as exc:
-        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
+        raise FinetuneError.from_error(exc) from None
     if warning := ephemeral_warning(Path(cfg.output.dir)):
         log(f"[finetune] WARNING: {warning}")
     model = Path(cfg.model.path)
@@ -165,9 +165,9 @@ def check_inputs(cfg: FinetuneConfig, log: Callable[[str], None]) -> None:
     except InputError as exc:
         raise FinetuneError(str(exc), exc.fix) from None
     except SourceCheckpointError as exc:
-        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
+        raise FinetuneError.from_error(exc) from None
     except DataError as exc:
-        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
+        raise FinetuneError.from_error(exc) from None
     from entrypoint.observability.trackers import INSTALL, missing
 
     for name in missing(cfg.output):
@@ -195,7 +195,7 @@ def check_mesh(cfg: FinetuneConfig, world: int) -> None:
     try:
         mesh_plan(cfg, world, check_fit=True)
     except MeshError as exc:
-        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
+        raise FinetuneError.from_error(exc) from None
 
 
 def preflight_resume(cfg: FinetuneConfig, log: Callable[[str], None]) -> dict | None:
@@ -207,7 +207,7 @@ def preflight_resume(cfg: FinetuneConfig, log: Callable[[str], None]) -> dict | 
     try:
         found = newest_valid(Path(cfg.output.dir) / "checkpoints", cfg.checkpoint.resume)
     except CheckpointError as exc:
-        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
+        raise FinetuneError.from_error(exc) from None
     if found is None:
         return None
     path, state = found   # every field validated (checkpoint/trainer_state.py); a damaged one was skipped
@@ -215,7 +215,7 @@ def preflight_resume(cfg: FinetuneConfig, log: Callable[[str], None]) -> dict | 
         applied = rs.check(rs.changes(state.run_config, rs.run_config(cfg)),
                            list(cfg.checkpoint.allow_changed), path.name)
     except rs.ResumeRefused as exc:
-        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
+        raise FinetuneError.from_error(exc) from None
     return {**state.to_dict(), "path": str(path), "changes": [c.render() for c in applied]}
 
 
@@ -254,7 +254,7 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
         topo = resolve_topology(cfg, env)     # a world size the GPUs cannot hold is refused before verify
         caches = cache_env(cfg, env)
     except LaunchError as exc:
-        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
+        raise FinetuneError.from_error(exc) from None
     check_mesh(cfg, topo.nnodes * topo.nproc_per_node)
     resumed = preflight_resume(cfg, log)
     action = "train"
@@ -298,7 +298,7 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
     try:
         launch_dir = real_dir(Path(cfg.output.dir) / ".launch")
     except UnsafeFolder as exc:
-        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
+        raise FinetuneError.from_error(exc) from None
     plan_path = plan.write(launch_dir / f"plan-node{topo.node_rank}.json")
     wenv = worker_env(cfg, topo, {**env, **caches})
     if plan.allow_fallback:   # the runtime guard in every worker honours the same override, logged there
@@ -339,7 +339,7 @@ def check_fingerprint(cfg: FinetuneConfig, resumed: dict, corpus_path: Path) -> 
     try:
         rs.check(change, list(cfg.checkpoint.allow_changed), Path(resumed["path"]).name)
     except rs.ResumeRefused as exc:
-        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
+        raise FinetuneError.from_error(exc) from None
 
 
 def build_corpus(cfg: FinetuneConfig, log: Callable[[str], None], events=None):
@@ -364,7 +364,7 @@ def build_corpus(cfg: FinetuneConfig, log: Callable[[str], None], events=None):
             raise DataError("the evaluation data holds no usable document", "check data.eval_path, or raise "
                             "data.eval_fraction", "data.eval_path" if cfg.data.eval_path else "data.eval_fraction")
     except (DataError, ModelError, UnsafeFolder, InputError) as exc:
-        raise FinetuneError(str(exc).split("\n")[0], exc.fix) from None
+        raise FinetuneError.from_error(exc) from None
     log(f"[finetune] data: {len(corpus)} documents, {corpus.n_tokens} tokens from {corpus.n_rows} rows; "
         f"bad rows: {corpus.bad.counts or 'none'}, truncated: {corpus.bad.truncated}"
         + (f", reasoning not rendered by the template: {corpus.bad.reasoning_dropped}"

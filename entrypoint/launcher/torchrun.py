@@ -23,13 +23,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from contracts.errors import FixableError
 from contracts.finetune_config import FinetuneConfig
 
 
-class LaunchError(Exception):
+class LaunchError(FixableError):
+    fix_in_str = True
+
     def __init__(self, message: str, fix: str):
-        super().__init__(f"{message}\n  fix: {fix}")
-        self.fix = fix
+        super().__init__(message, fix)
 
 
 def _env(env: dict, *names: str) -> str | None:

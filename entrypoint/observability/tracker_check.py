@@ -28,6 +28,8 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
+from contracts.errors import FixableError
+
 TIMEOUT_S = 10
 MARGIN_S = 2   # a probe's sockets time out within TIMEOUT_S; past this margin a call with no timeout of its
 #                own (a DNS lookup without network) is abandoned
@@ -35,10 +37,10 @@ WANDB_DEFAULT_URL = "https://api.wandb.ai"
 OFFLINE_WANDB_MODES = ("offline", "dryrun", "disabled")
 
 
-class TrackerUnavailable(Exception):
+class TrackerUnavailable(FixableError):
     def __init__(self, tracker: str, cause: str, fix: str):
-        super().__init__(f"output.report_to: {tracker} cannot start: {cause}")
-        self.tracker, self.cause, self.fix = tracker, cause, fix
+        super().__init__(f"output.report_to: {tracker} cannot start: {cause}", fix)
+        self.tracker, self.cause = tracker, cause
 
 
 def _fix(tracker: str) -> str:

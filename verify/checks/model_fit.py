@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from contracts.errors import FixableError
 from contracts.lock import Specialisation
 from families import Family
 from verify.context import Context
@@ -25,10 +26,9 @@ REBUILD_GENERIC = ("rebuild the image for this model: set specialise_kernels: fa
                    "flash-attn), or use the image built for this model's family")
 
 
-class ModelConfigError(Exception):
+class ModelConfigError(FixableError):
     def __init__(self, message: str, fix: str):
-        super().__init__(message)
-        self.fix = fix
+        super().__init__(message, fix)
 
 
 def read_model_config(model_dir: str | Path) -> dict[str, Any]:
