@@ -9,6 +9,7 @@ from pathlib import Path
 from build import kernels as kernel_stage
 from build.base import debs_lock
 from build.base.bootstrap import ensure_base
+from build.build_report import REPORT_NAME, BuildReport
 from build.cache import CacheLayout
 from build.context.dpkg_status import base_packages
 from build.context.render import render_context
@@ -19,7 +20,6 @@ from build.oci.venv import LockedWheel, wheels_epoch
 from build.publish.push import push_image
 from build.publish.reference import PushTarget
 from build.remote_cache import RemoteCache
-from build.report import REPORT_NAME, BuildReport
 from build.resolve import BuildPlan
 from build.source_date import source_date_epoch
 from build.wheelhouse import fill_wheelhouse

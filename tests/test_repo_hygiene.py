@@ -1,9 +1,10 @@
 """The tree keeps its shape: parts depend one way (build -> contracts <- verify <- entrypoint,
-families beside contracts, guard on contracts and families only), folders inside a part depend one
-way too, no module or folder imports itself round a cycle, no module grows past 400 lines, no
-folder past 15 modules, every folder's map (its README.md) names exactly its modules, no two
-modules share a name without sharing a job, ruff passes, and plain `pytest` sees what `python -m
-pytest` sees."""
+families beside contracts, guard on contracts and families only), folders inside build/ and
+entrypoint/ depend one way too (BUILD_LAYERS, ENTRYPOINT_LAYERS), no module or folder imports
+itself round a cycle (a package __init__ that holds code counts as a module), no module grows past
+400 lines, no folder past 15 modules, every folder's map (its README.md) names exactly its modules,
+no two modules share a name without sharing a job, ruff passes, and plain `pytest` sees what
+`python -m pytest` sees. The docs' copies of these tables are checked in test_docs_hygiene.py."""
 from __future__ import annotations
 
 import ast
@@ -29,13 +30,13 @@ ALLOWED = {
 }
 
 
-def modules() -> dict[str, Path]:
+def modules(root: Path = REPO, parts: tuple[str, ...] = PARTS) -> dict[str, Path]:
     out = {}
-    for part in PARTS:
-        for path in sorted((REPO / part).rglob("*.py")):
-            rel = path.relative_to(REPO).with_suffix("")
-            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-            out[".".join(parts)] = path
+    for part in parts:
+        for path in sorted((root / part).rglob("*.py")):
+            rel = path.relative_to(root).with_suffix("")
+            names = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            out[".".join(names)] = path
     return out
 
 
@@ -66,7 +67,10 @@ def imports_of(path: Path, name: str, known: set[str], *, runtime_only: bool = F
             if node.level:
                 pkg = package.split(".")
                 base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
-            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            # `from pkg import sub` reaches the package itself only for names that are not its modules
+            targets = [f"{base}.{a.name}" for a in node.names]
+            if any(f"{base}.{a.name}" not in known for a in node.names):
+                targets.append(base)
         for target in targets:
             while target and target not in known:
                 target = target.rpartition(".")[0]
@@ -75,10 +79,51 @@ def imports_of(path: Path, name: str, known: set[str], *, runtime_only: bool = F
     return found
 
 
-def graph(*, runtime_only: bool = False) -> dict[str, set[str]]:
-    mods = modules()
+def graph(*, runtime_only: bool = False, root: Path = REPO, parts: tuple[str, ...] = PARTS) -> dict[str, set[str]]:
+    mods = modules(root, parts)
     known = set(mods)
     return {name: imports_of(path, name, known, runtime_only=runtime_only) for name, path in mods.items()}
+
+
+def holds_code(init: Path) -> bool:
+    """A package __init__ that does more than re-export: anything but a docstring, imports,
+    `__all__` and an `if TYPE_CHECKING:` block. Importing any of its submodules runs it first."""
+    for stmt in ast.parse(init.read_text()).body:
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str):
+            continue
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            continue
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) \
+            else []
+        if targets and all(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            continue
+        if isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Name) and stmt.test.id == "TYPE_CHECKING":
+            continue
+        return True
+    return False
+
+
+def cycle_edges(*, root: Path = REPO, parts: tuple[str, ...] = PARTS) -> dict[str, set[str]]:
+    """The module graph as Python runs it. A package whose __init__ holds code is a module like any
+    other: importing `pkg.sub` from outside runs `pkg` first (an edge to it), and its own imports
+    of its submodules are edges too. A package that only re-exports is passed over: an edge from it
+    to its own submodule is not a cycle by itself."""
+    mods = modules(root, parts)
+    coded = {name for name, path in mods.items() if path.name == "__init__.py" and holds_code(path)}
+    edges = graph(root=root, parts=parts)
+    for name, targets in edges.items():
+        implicit = set()
+        for target in targets:
+            pieces = target.split(".")
+            for depth in range(1, len(pieces)):
+                package = ".".join(pieces[:depth])
+                if package in coded and not (name == package or name.startswith(package + ".")):
+                    implicit.add(package)
+        targets |= implicit
+    for name in mods:
+        if name not in coded and name in edges:
+            edges[name] = {t for t in edges[name] if not t.startswith(name + ".")}
+    return edges
 
 
 def test_parts_depend_one_way():
@@ -92,34 +137,76 @@ def test_parts_depend_one_way():
     assert not bad, "\n".join(bad)
 
 
-# Inside entrypoint/: what each folder (and each low-level module at its top) may import of the
-# rest of entrypoint/, besides itself. The modules at its top not listed here (the CLI, the worker,
-# the trainer, step, loss, evaluate) sit above all of it.
-ENTRYPOINT_LAYERS = {
-    "observability": set(),
-    "distributed": set(),
-    "data": {"inputs"},
-    "checkpoint": {"distributed"},
-    "launcher": {"data", "checkpoint", "distributed", "observability", "model", "inputs", "info"},
-    "inputs": set(),
-    "info": set(),
-    "model": {"distributed", "checkpoint"},
+# Inside build/ and entrypoint/: what each folder (or module at the part's top) may import, other
+# parts included, besides itself; taken from the imports a module needs to run (those under `if
+# TYPE_CHECKING:` are annotations only; the cycle check counts them). The modules at a part's top
+# that are not listed (build's pipeline, CLI and __main__; entrypoint's CLI, worker, trainer, step,
+# loss, evaluate, schedule, pid1) sit above all of it. docs/architecture.md holds the same tables.
+BUILD_LAYERS = {
+    "audit": {"contracts", "engine", "errors", "oci", "publish", "signing", "spec"},
+    "base": {"cache", "contracts", "engine", "errors", "oci", "proc", "resolve", "source_date", "spec"},
+    "cache": {"errors"},
+    "context": {"cache", "contracts", "engine", "guard", "resolve", "source_date", "spec", "templating", "wheelhouse"},
+    "engine": {"contracts", "errors"},
+    "errors": {"contracts"},
+    "kernels": {"cache", "context", "contracts", "engine", "errors", "proc", "resolve", "signing", "spec",
+                "templating", "wheelhouse"},
+    "oci": {"cache", "context", "contracts", "errors", "guard", "resolve", "source_date"},
+    "proc": {"contracts"},
+    "publish": {"build_report", "contracts", "engine", "errors", "oci", "resolve", "signing", "source_date", "spec"},
+    "remote_cache": {"audit", "contracts", "kernels", "oci", "publish", "signing"},
+    "build_report": set(),
+    "resolve": {"contracts", "families", "spec"},
+    "signing": {"errors"},
+    "source_date": {"contracts", "spec"},
+    "spec": {"contracts", "families"},
+    "templating": set(),
+    "wheelhouse": {"cache", "contracts", "errors", "proc", "resolve"},
 }
+ENTRYPOINT_LAYERS = {
+    "observability": {"contracts"},
+    "distributed": {"contracts", "families"},
+    "data": {"contracts", "inputs", "verify"},
+    "checkpoint": {"contracts", "distributed"},
+    "launcher": {"checkpoint", "contracts", "data", "distributed", "info", "inputs", "model", "observability",
+                 "verify"},
+    "inputs": {"contracts"},
+    "info": {"contracts"},
+    "model": {"checkpoint", "contracts", "distributed"},
+}
+LAYERS = {"build": BUILD_LAYERS, "entrypoint": ENTRYPOINT_LAYERS}
 
 
-def test_entrypoint_folders_depend_one_way():
+def layer_violations(edges: dict[str, set[str]], part: str, layers: dict[str, set[str]]) -> list[str]:
+    """Imports of a listed folder (or module) of `part` that its row does not allow: another part
+    is named by the part, a neighbour by its name inside `part`."""
     bad = []
-    for name, targets in graph().items():
-        parts = name.split(".")
-        if parts[0] != "entrypoint" or len(parts) < 2 or parts[1] not in ENTRYPOINT_LAYERS:
+    for name, targets in edges.items():
+        pieces = name.split(".")
+        if pieces[0] != part or len(pieces) < 2 or pieces[1] not in layers:
             continue
         for target in targets:
-            tparts = target.split(".")
-            if tparts[0] != "entrypoint" or len(tparts) < 2:
-                continue
-            if tparts[1] != parts[1] and tparts[1] not in ENTRYPOINT_LAYERS[parts[1]]:
+            tpieces = target.split(".")
+            if target == part:
+                continue    # the part's own __init__ (a docstring)
+            room = tpieces[1] if tpieces[0] == part else tpieces[0]
+            if room != pieces[1] and room not in layers[pieces[1]]:
                 bad.append(f"{name} imports {target}")
+    return bad
+
+
+@pytest.mark.parametrize("part", sorted(LAYERS))
+def test_folders_inside_a_part_depend_one_way(part):
+    bad = layer_violations(graph(runtime_only=True), part, LAYERS[part])
     assert not bad, "\n".join(bad)
+
+
+def test_every_folder_of_build_has_its_row():
+    """A new folder or low-level module in build/ gets a row (or is one of the few above all)."""
+    above = {"pipeline", "cli", "__main__"}
+    rooms = {p.stem if p.suffix == ".py" else p.name for p in (REPO / "build").iterdir()
+             if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").is_file()}
+    assert rooms - above == set(BUILD_LAYERS), (rooms - above) ^ set(BUILD_LAYERS)
 
 
 def folder_of(name: str) -> str:
@@ -167,11 +254,27 @@ def test_no_import_cycles_between_folders():
 
 
 def test_no_import_cycles():
-    # package __init__ modules re-export their submodules; an edge from a submodule back to its
-    # own package's __init__ is what makes a cycle, so keep every edge, except a package importing
-    # its own submodule, which is not a cycle by itself
-    cycles = find_cycles(graph(), skip=lambda node, nxt: nxt.startswith(node + "."))
+    cycles = find_cycles(cycle_edges())
     assert not cycles, "\n".join(cycles)
+
+
+def test_the_cycle_check_sees_a_cycle_through_a_package_init_that_holds_code(tmp_path):
+    """x -> q (an __init__ with code) -> q.opts -> x: the shape the build's pipeline ->
+    remote_cache -> options -> push -> pipeline cycle had. Passing over every edge from a package
+    to its own submodule misses it; counting the __init__ as a module finds it."""
+    files = {"p/__init__.py": "",
+             "p/x.py": "from p.q import thing\n",
+             "p/q/__init__.py": "from p.q.opts import Options\n\n\ndef thing():\n    return Options()\n",
+             "p/q/opts.py": "from p.x import something\n\n\nclass Options:\n    pass\n",
+             "p/r/__init__.py": "from p.r.a import A\n\n__all__ = ['A']\n",   # a re-export: no cycle by itself
+             "p/r/a.py": "from p.r.b import B\nA = B\n",
+             "p/r/b.py": "B = 1\n"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    old_rule = find_cycles(graph(root=tmp_path, parts=("p",)), skip=lambda node, nxt: nxt.startswith(node + "."))
+    assert old_rule == []
+    assert find_cycles(cycle_edges(root=tmp_path, parts=("p",))) == ["p.q -> p.q.opts -> p.x -> p.q"]
 
 
 def test_no_module_over_400_lines():

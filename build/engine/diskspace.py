@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from build.engine import Engine
+from build.engine.interface import Engine
 from build.errors import BuildFailure
 from contracts.events import EventLog
 

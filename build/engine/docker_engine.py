@@ -18,8 +18,8 @@ import docker.errors
 import docker.types
 import requests.exceptions
 
-from build.engine import BuiltImage, ContainerStartFailed, RunResult
 from build.engine.diskspace import DISK_FIX
+from build.engine.interface import BuiltImage, ContainerStartFailed, RunResult
 from build.errors import BuildFailure
 from contracts.events import EventLog, Progress
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import jinja2
 
+from build.build_report import REPORT_NAME, PushRecord
 from build.errors import BuildFailure
 from build.publish.reference import DIGEST, reference_problems
-from build.report import REPORT_NAME, PushRecord
 from build.resolve import BuildPlan
 from build.spec import REPO_ROOT
 from contracts.schema import InvalidInput, Problem

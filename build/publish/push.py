@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from build import signing
+from build.build_report import REPORT_NAME, BuildReport, PushRecord
 from build.errors import BuildFailure
 from build.publish.attest import Provenance, sign_and_attest
 from build.publish.reference import DIGEST, PushTarget
 from build.publish.registry import EnginePushClient, LayoutPushClient, PushClient, Registry, engine_allows_plain_http
-from build.report import REPORT_NAME, BuildReport, PushRecord
 from build.source_date import source_date_epoch
 from build.spec import REPO_ROOT
 from contracts import atomic

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from build.report import REPORT_NAME
+from build.build_report import REPORT_NAME
 from build.spec.shapes import IMAGE_REF, SHA256
 from contracts.redact import mask_url
 from contracts.schema import InvalidInput, Problem

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from build.build_report import BuildReport
 from build.errors import BuildFailure
 from build.publish.push import push_image
 from build.publish.reference import PushTarget
-from build.report import BuildReport
 from build.resolve import load_plan
 from build.spec import MANIFEST_PATH, REPO_ROOT
 from contracts.events import EventLog
