@@ -18,11 +18,9 @@ import os
 import sys
 
 from build.cli import bases, build_command, kernels
-from build.cli.common import EXIT_BAD_SPEC, EXIT_BUILD_FAILED, EXIT_REFUSED
-from build.errors import BuildFailure, SigningError
-from build.kernels.portable import ImportRefused
+from build.cli.common import EXIT_BAD_SPEC
 from build.source_date import parse_epoch
-from contracts import folder_guard
+from contracts.errors import FixableError
 from contracts.schema import InvalidInput
 
 
@@ -55,18 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except InvalidInput as exc:
         print(exc.render(), file=sys.stderr)
         return EXIT_BAD_SPEC
-    except folder_guard.UnsafeFolder as exc:
-        print(f"error: {exc}\n    fix: {exc.fix}", file=sys.stderr)
-        return EXIT_BAD_SPEC
-    except SigningError as exc:
-        print(f"error: {exc}\n    fix: {exc.fix}", file=sys.stderr)
-        return EXIT_BAD_SPEC
-    except ImportRefused as exc:
-        print(f"error: {exc}\n    fix: {exc.fix}", file=sys.stderr)
-        return EXIT_REFUSED
-    except BuildFailure as exc:
+    except FixableError as exc:   # a failed build 1, a refusal 3, a bad key or folder 2: each class says
         print(exc.render(), file=sys.stderr)
-        return EXIT_BUILD_FAILED
+        return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted: nothing half-written was kept (cache entries publish atomically)", file=sys.stderr)
         return 130
