@@ -297,3 +297,96 @@ def test_a_kernel_whose_requirements_change_the_toolchain_gets_a_builder_of_its_
     assert found["flash-attn"][0] != found["causal-conv1d"][0]
     assert found["flash-attn"][1] == ()                 # everything is in its own image
     assert [w.name for w in found["causal-conv1d"][1]] == ["ninja", "packaging", "wheel"]
+
+
+# ---- build_and_publish: the one library call behind `python -m build IMAGE_DIR` -------------------
+
+class RecordingRemote:
+    """A remote cache that records what the pipeline asks of it."""
+
+    def __init__(self, calls: list, registry: str):
+        self.calls = calls
+        self.options = type("Options", (), {"registry": registry})()
+
+    def flush(self, *, mount_from: str = "") -> None:
+        self.calls.append(("flush", mount_from))
+
+    def record(self) -> dict:
+        return {"flushed": True}
+
+
+@pytest.mark.parametrize("cache_registry, mount_from", [("127.0.0.1:5000", "team/smoke"), ("other:5000", "")])
+def test_build_and_publish_pushes_then_flushes_then_writes_the_report_once(tmp_path, monkeypatch, cache_registry,
+                                                                             mount_from):
+    """Push first, then the remote cache's flush (which mounts the blobs the push stored when both
+    are in one registry), then one report write with what the flush did."""
+    from build.build_report import BuildReport
+    from build.publish.reference import PushTarget
+
+    calls: list = []
+    plan = load_plan(REPO_ROOT / "images" / "smoke")
+
+    def fake_build_image(plan, **kwargs):
+        calls.append(("build", kwargs["remote"] is remote))
+        return BuildReport(image="smoke", tag=plan.tag)
+
+    def fake_push(report, target, **kwargs):
+        calls.append(("push", target.repository, kwargs["sign_key"]))
+        report.pushed = {"reference": f"{target.repository}@sha256:{'0' * 64}"}
+
+    written: list[dict] = []
+    monkeypatch.setattr(pipeline, "build_image", fake_build_image)
+    monkeypatch.setattr(pipeline, "push_image", fake_push)
+    monkeypatch.setattr(pipeline.atomic, "write_text",
+                        lambda path, text: (calls.append(("write", Path(path).name)), written.append(json.loads(text))))
+    remote = RecordingRemote(calls, cache_registry)
+    report = pipeline.build_and_publish(plan, cache=CacheLayout(tmp_path / "cache"), out_dir=tmp_path / "out",
+                                        log=QUIET, remote=remote, sign_key="KEY",
+                                        push_target=PushTarget("127.0.0.1:5000", "team/smoke"))
+    assert calls == [("build", True), ("push", "127.0.0.1:5000/team/smoke", "KEY"), ("flush", mount_from),
+                     ("write", "build-report.json")]
+    assert written[-1]["remote_cache"] == {"flushed": True} and written[-1]["pushed"] == report.pushed
+
+
+def test_build_and_publish_without_a_push_or_remote_cache_is_the_build(tmp_path, monkeypatch):
+    from build.build_report import BuildReport
+
+    plan = load_plan(REPO_ROOT / "images" / "smoke")
+    built = BuildReport(image="smoke", tag=plan.tag)
+    monkeypatch.setattr(pipeline, "build_image", lambda plan, **kwargs: built)
+    monkeypatch.setattr(pipeline, "push_image", lambda *a, **k: pytest.fail("pushed without --push"))
+    monkeypatch.setattr(pipeline.atomic, "write_text", lambda *a: pytest.fail("wrote the report twice"))
+    assert pipeline.build_and_publish(plan, cache=CacheLayout(tmp_path / "cache"), out_dir=tmp_path / "out",
+                                      log=QUIET) is built
+
+
+def test_the_build_command_parses_and_hands_the_build_to_the_pipeline(tmp_path, monkeypatch, capsys):
+    """`build_command.main` checks the flags and dispatches: the build, push, flush and report are
+    the pipeline's (one call)."""
+    from build.build_report import BuildReport
+    from build.cli import build_command
+
+    seen = {}
+
+    def fake_build_and_publish(plan, **kwargs):
+        seen.update(kwargs, image=plan.spec.name)
+        return BuildReport(image=plan.spec.name, tag=plan.tag)
+
+    monkeypatch.setattr(pipeline, "build_and_publish", fake_build_and_publish)
+    code = build_command.main(["images/smoke", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "out"),
+                               "--push", "127.0.0.1:5000/team/smoke", "--json"])
+    assert code == 0 and seen["image"] == "smoke" and seen["push_target"].path == "team/smoke"
+    assert seen["remote"] is None and seen["sign_key"] is None and seen["out_dir"] == tmp_path / "out"
+    assert json.loads(capsys.readouterr().out)["image"] == "smoke"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["verify-reproducible", "/tmp"], "is not an image folder of this checkout"),
+    (["verify-reproducible", "images/smoke", "--push-to", "team/smoke"], "names no registry"),
+])
+def test_verify_reproducible_refuses_bad_arguments_before_any_build(run_cli, monkeypatch, argv, words):
+    from build.audit import reproducible
+
+    monkeypatch.setattr(reproducible, "_clone", lambda *a, **k: pytest.fail("cloned despite a bad argument"))
+    code, out, err = run_cli(argv)
+    assert code == 2 and words in err and "Traceback" not in err, err
