@@ -14,6 +14,11 @@ _TOKENS = re.compile(r"\b(?:hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|githu
                      r"glpat-[A-Za-z0-9_-]{16,}|xox[abposr]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16}|sk-[A-Za-z0-9]{20,})\b")
 
 
+def carries_credentials(text: str) -> bool:
+    """URL user info (`user:password@`) or a token-shaped word: a secret, not merely a bad value."""
+    return bool(_USERINFO.search(text) or _TOKENS.search(text))
+
+
 def mask_url(text: str) -> str:
     """`text` with URL user info, query strings and token-shaped words replaced by ***."""
     text = _USERINFO.sub(lambda m: f"{m.group('lead')}{MASK}@", text)

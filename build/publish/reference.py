@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from build.build_report import REPORT_NAME
 from build.spec.shapes import IMAGE_REF, SHA256
-from contracts.redact import mask_url
+from contracts.redact import carries_credentials, mask_url
 from contracts.schema import InvalidInput, Problem
 
 # Docker's reference grammar (distribution/reference), split so each part can be named in an error.
@@ -53,9 +53,14 @@ def reference_problems(value: str, *, file: str = "--push", field: str = "") -> 
     if not value.strip():
         add("reference", "is empty", f"name a registry and a repository, e.g. --push {EXAMPLE}")
         return problems
-    if mask_url(value) != value:
+    if carries_credentials(value):
         add("reference", f"{mask_url(value)[:120]!r} carries credentials or a token", "never put credentials in a "
             "reference: `docker login REGISTRY` (or the engine's credential helper) supplies them at push time")
+        return problems
+    if mask_url(value) != value:   # a query or fragment: malformed, and what follows it is masked all the same
+        marks = " and ".join(repr(c) for c in "?#" if c in value)
+        add("reference", f"{mask_url(value)[:120]!r} has a query or fragment ({marks}), which no Docker reference "
+            "holds", f"drop everything from {marks}: write REGISTRY/REPO, e.g. {EXAMPLE}")
         return problems
     bad = sorted({c for c in value if not REFERENCE_CHARS.fullmatch(c)})
     if bad:

@@ -50,6 +50,9 @@ def smoke_tag() -> str:
     ("registry.example.com:5000", "repository", "no repository"),
     ("registry.example.com:70000/team/smoke", "registry", "out of range"),
     ("registry.example.com/team-/smoke", "repository", "not a Docker repository path component"),
+    ("registry.example.com/team/smoke#main", "reference", "has a query or fragment ('#')"),
+    ("registry.example.com/team/smoke?x=1", "reference", "has a query or fragment ('?')"),
+    ("ci-bot:hunter2@registry.example.com/team/smoke", "reference", "carries credentials or a token"),
 ])
 def test_bad_push_reference_is_exit_2_before_any_build_work(run_cli, value, field, words):
     # the image folder does not exist: a spec error would come first if the plan were loaded first
@@ -58,6 +61,9 @@ def test_bad_push_reference_is_exit_2_before_any_build_work(run_cli, value, fiel
     assert err.startswith("error: the --push reference has"), err
     assert f"--push: {field}: " in err and words in err, err
     assert "fix: " in err and "Traceback" not in err and out == ""
+    assert "hunter2" not in err
+    if "credentials" not in words:     # a malformed reference is not reported as a secret
+        assert "credentials" not in err, err
 
 
 @pytest.mark.parametrize("value", ["127.0.0.1:5000/ftimage/smoke", "localhost/smoke", "docker.io/team/smoke",
