@@ -8,6 +8,7 @@ raises one ConfigError that lists each with a fix.
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields_of
 from pathlib import Path
@@ -58,8 +59,6 @@ def dataclass_fields(kind) -> set[str]:
 
 
 def _resume_key(value: str):
-    import difflib
-
     sections = {"packing": PackingConfig, "data": DataConfig}
     section, _, name = value.partition(".")
     if value in RESUME_KEYS or (section in sections and (name == "*" or name in dataclass_fields(sections[section]))):

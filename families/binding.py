@@ -95,7 +95,7 @@ def read_resolution(module, wrapper: str) -> Resolution:
 def transformers_symbol(res: Resolution) -> tuple[str, str]:
     """(symbol, distribution) transformers tried for a resolution, e.g.
     ("fla.ops.gated_delta_rule.chunk_gated_delta_rule", "flash-linear-attention")."""
-    try:
+    try:   # transformers may be absent: verify imports this module before it checks REQUIRES
         from transformers.integrations import hub_kernels
         paths = getattr(hub_kernels, "_KERNELS_INTERNAL_PATH_MAPPINGS", {})
         distributions = getattr(hub_kernels, "_PACKAGE_TO_DISTRIBUTION", {})

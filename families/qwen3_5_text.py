@@ -1,6 +1,8 @@
 """Python hooks of the qwen3_5_text family (its facts live in qwen3_5_text.yaml)."""
 from __future__ import annotations
 
+import torch
+
 # The GDN decay parameters feed exp()/softplus(); a bf16 copy of A_log shifts every decay
 # rate, so they stay in fp32 in their own FSDP unit.
 FP32_PARAMS = ("A_log", "dt_bias")
@@ -26,8 +28,6 @@ def prepare_probe_model(model):
     and a delta-rule leak measured ~0.05 relative: too close to bf16 noise. Small decays (A in
     0.05..0.5) carry the previous document's state into the next one, as a trained model does.
     """
-    import torch
-
     with torch.no_grad():
         for layer in model.model.layers:
             gdn = getattr(layer, "linear_attn", None)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+import torch
+
 from families import Family
 
 
@@ -32,8 +34,6 @@ def build_model(family: Family, flavour: str = "tiny", *, attn_implementation: s
                 dtype=None, seed: int = 0, head_dim: int | None = None, **overrides):
     """Seeded, so two builds are identical; raises what transformers raises (e.g. ImportError
     when flash_attention_2 is asked for and flash_attn is unusable)."""
-    import torch
-
     config = model_config(family, flavour, attn_implementation=attn_implementation, head_dim=head_dim, **overrides)
     torch.manual_seed(seed)
     model = getattr(modeling_module(family), family.causal_lm_class)(config)
@@ -63,6 +63,4 @@ def mixer(family: Family, layer, kind: str):
 def probe_dtype(device: str):
     """fp32 on CPU (float noise ~1e-6); bf16 on CUDA, because flash-attn and fla's chunk kernel
     refuse fp32 ("ChunkGatedDeltaRuleFunction does not support float32")."""
-    import torch
-
     return torch.bfloat16 if device.startswith("cuda") else torch.float32

@@ -11,7 +11,8 @@ import atexit
 import os
 import sys
 
-from guard import record, settings
+from families import load_family
+from guard import record, settings, wrap
 from guard.state import Guard
 
 CURRENT: Guard | None = None     # this process's guard, once active (tests and tools read it)
@@ -49,9 +50,6 @@ def on_import(module, family_name: str) -> None:
             record.log(f"warning: {problem}")
         return
     try:
-        from families import load_family
-        from guard import wrap
-
         family = load_family(family_name)
         guard = Guard(current, family, module.__name__)
         wrap.install(guard, module, family)

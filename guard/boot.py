@@ -88,6 +88,7 @@ def _after_exec(loader, family: str, on_loaded) -> None:
 
 
 def _activate(module, family: str) -> None:
+    # lazily: this module runs in every Python process; activate imports torch, families and yaml
     from guard import activate
 
     activate.on_import(module, family)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import functools
 import inspect
 
+from transformers.modeling_utils import PreTrainedModel
+
 from families import Family
 from families.binding import describe, explain_fallback, read_resolution, transformers_symbol
 from guard import rules
@@ -30,8 +32,6 @@ from guard.state import FunctionRecord, Guard
 
 
 def model_classes(module, family: Family) -> list[type]:
-    from transformers.modeling_utils import PreTrainedModel
-
     config_cls = getattr(module, family.config_class, None)
     found = [c for c in vars(module).values()
              if isinstance(c, type) and issubclass(c, PreTrainedModel) and c.__module__ == module.__name__
