@@ -9,6 +9,11 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from verify.calltrace import watch_calls
 from verify.report import CheckResult, Status
 
 
@@ -65,8 +70,6 @@ def _short(name: str, limit: int = 60) -> str:
 
 def cuda_kernel_names(prof) -> tuple[str, ...]:
     """Names of device kernels in a torch.profiler.profile result."""
-    from torch.autograd import DeviceType
-
     return tuple(e.name for e in prof.events() if e.device_type == DeviceType.CUDA)
 
 
@@ -77,11 +80,6 @@ def profile_phases(forward: Callable[[], object], backward: Callable[[object], N
     On CPU (tests, dry runs) there are no device kernels, so both kernel lists come back empty
     and any verdict built on them FAILs; the call watcher still works.
     """
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from verify.calltrace import watch_calls
-
     on_cuda = device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)

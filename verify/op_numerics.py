@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+import torch.nn.functional as F
+
 from contracts.collate import collate_packed
 from verify.probe import DOC_LENGTHS, sample_documents
 
@@ -28,8 +31,6 @@ def segments(lengths):
 
 def compare_fused(fused_fn: Callable, reference_fn: Callable, inputs: dict, dtype) -> dict[str, float]:
     """Run fused(inputs in dtype) and reference(inputs in fp32) forward and backward; relative errors."""
-    import torch
-
     fused_in = {k: v.detach().to(dtype if v.is_floating_point() and k not in ("g",) else v.dtype).requires_grad_()
                 for k, v in inputs.items()}
     ref_in = {k: v.detach().float().requires_grad_() for k, v in inputs.items()}
@@ -52,8 +53,6 @@ def _packed(device):
 
 
 def check_causal_conv1d(fused: Callable, torch_ref: Callable, device: str, dtype, **_) -> dict[str, float]:
-    import torch
-
     seq_idx = _packed(device)["seq_idx"]
     T, D, W = sum(DOC_LENGTHS), 64, 4
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -74,9 +73,6 @@ def check_causal_conv1d(fused: Callable, torch_ref: Callable, device: str, dtype
 
 
 def check_chunk_gated_delta_rule(fused: Callable, torch_ref: Callable, device: str, dtype, **_) -> dict[str, float]:
-    import torch
-    import torch.nn.functional as F
-
     cu = _packed(device)["cu_seq_lens_q"]
     T, H, K = sum(DOC_LENGTHS), 4, 32
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -108,9 +104,6 @@ def check_chunk_gated_delta_rule(fused: Callable, torch_ref: Callable, device: s
 
 def check_flash_attention(varlen: Callable, device: str, dtype, *, head_dim: int = 256, **_) -> dict[str, float]:
     """At the head dim the image compiled (a specialised build refuses any other)."""
-    import torch
-    import torch.nn.functional as F
-
     T, H = sum(DOC_LENGTHS), 2
     cu = torch.tensor([0] + [e for _, e in segments(DOC_LENGTHS)], dtype=torch.int32, device=device)
     gen = torch.Generator(device="cpu").manual_seed(0)

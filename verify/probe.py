@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from types import CodeType
 
+import torch
+import torch.nn.functional as F
+
 from contracts.collate import Document, collate_packed
 from families import runtime
 from verify.calltrace import innermost_code
@@ -22,8 +25,6 @@ BUDGET = 112
 
 def sample_documents(lengths, vocab_size: int, seed: int = 0) -> list[Document]:
     """Random token documents (labels = input_ids); deterministic per seed."""
-    import torch
-
     gen = torch.Generator().manual_seed(seed)
     docs = []
     for n in lengths:
@@ -44,8 +45,6 @@ def packed_batch(vocab_size: int, device: str, lengths=DOC_LENGTHS, budget: int 
 
 def token_loss_sum(logits, labels):
     """Summed next-token loss; a sum (not a mean) so per-document losses add up to the packed one."""
-    import torch.nn.functional as F
-
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
                            ignore_index=-100, reduction="sum")
 
@@ -60,6 +59,7 @@ def watched_code(ctx: Context, module, resolutions: dict) -> dict[str, CodeType 
     """label -> the code object whose calls are counted: per fused function its torch
     reference ("<fn>:torch") and the fused implementation ("<fn>:fused"), and the attention
     paths (torch sdpa/eager vs flash)."""
+    # transformers only here: op_numerics imports this module for its documents, which need none
     from transformers.integrations import flash_attention, sdpa_attention
 
     watched: dict[str, CodeType | None] = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,8 +116,6 @@ _HEADERS = ("CHECK", "STATUS", "DETAIL", "FIX")
 
 def render_table(results: Iterable[CheckResult], width: int = 200) -> str:
     """Plain-text table; DETAIL and FIX wrap inside their columns so long messages stay readable."""
-    import textwrap
-
     rows = [(r.check, r.status.name, r.detail, r.fix) for r in results]
     check_w = max([len(_HEADERS[0])] + [len(r[0]) for r in rows])
     status_w = len("STATUS")

@@ -11,6 +11,7 @@ from pathlib import Path
 from contracts.errors import FixableError
 from contracts.lock import LockError, load_lock, lock_path
 from families import DEFAULT_FAMILY, FamilyError, UnknownFamily, load_family
+from verify.checks.model_fit import ModelConfigError, read_model_config
 from verify.context import Context
 from verify.report import CheckResult, Report, Status
 from verify.scratch import NoScratch, ensure_scratch
@@ -51,7 +52,7 @@ def resolve_device(device: str) -> str:
         raise UsageError(f"unknown device {device!r}", f"use one of: {', '.join(DEVICES)}")
     if device != "auto":
         return device
-    import torch
+    import torch  # only to find the device: `verify --help` and a usage error start without torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -106,7 +107,6 @@ def run_checks(checks: str | Sequence[str] | None = None, *, device: str = "auto
                                 getattr(exc, "fix", "reinstall the image")))
     model_config, model_source = None, ""
     if model:
-        from verify.checks.model_fit import ModelConfigError, read_model_config
         try:
             model_config, model_source = read_model_config(model), f"{model}/config.json"
         except ModelConfigError as exc:

@@ -150,6 +150,7 @@ def decide_kernel_hub(kernels_version: str | None, hub_enabled: bool, model_use_
 
 
 def _kernels_state() -> tuple[str | None, bool]:
+    # transformers only when the check runs: the runner checks REQUIRES after it imports this module
     from transformers.integrations import hub_kernels
 
     try:
@@ -161,7 +162,7 @@ def _kernels_state() -> tuple[str | None, bool]:
 
 def _runtime_probe(ctx: Context, model, module, resolutions: dict[str, Resolution]):
     """One packed forward of the probe model, watching which code objects run."""
-    import torch
+    import torch  # see run()
 
     from verify.probe import packed_batch, watched_code
 
@@ -173,6 +174,8 @@ def _runtime_probe(ctx: Context, model, module, resolutions: dict[str, Resolutio
 
 
 def run(ctx: Context) -> list[CheckResult]:
+    # torch, and the modules that import it, only inside run(): the runner imports this module outside
+    # the try that makes a crash a FAIL row
     import torch
 
     from families.runtime import modeling_module, probe_dtype
@@ -220,7 +223,7 @@ def run(ctx: Context) -> list[CheckResult]:
     if runtime is not None and model_attn == family.attention.implementation:
         attn_runtime = {"torch": runtime["attention:torch_sdpa"] + runtime["attention:torch_eager"],
                         "fused": runtime["attention:fused"]}
-    from transformers import modeling_flash_attention_utils as fa_utils
+    from transformers import modeling_flash_attention_utils as fa_utils  # as in _kernels_state
 
     rows.append(decide_attention(family.attention, wanted_attn, attn_error,
                                  None if attn_error else model_attn,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import ctypes
 import hashlib
 import importlib.metadata
 import os
@@ -181,6 +182,7 @@ def decide_runtime_constraints(kernels: list[LockedKernel], arch: str | None,
     """What a kernel needs installed to run on this arch (the lock carries it from the manifest),
     e.g. fla's Triton >= 3.7.1 on Hopper: older Triton gives wrong gradients there, and fla
     refuses its backward mid-step instead."""
+    # packaging may be absent (torch does not need it): inside run(), a missing one is a FAIL row
     from packaging.specifiers import SpecifierSet
 
     rows = []
@@ -251,9 +253,7 @@ def find_compiler() -> str | None:
 
 def driver_version() -> int | None:
     """cudaDriverGetVersion's integer (13000 = CUDA 13.0), from torch or straight from libcuda."""
-    import ctypes
-
-    import torch
+    import torch  # see run()
 
     try:
         return int(torch._C._cuda_getDriverVersion())
@@ -270,6 +270,7 @@ def driver_version() -> int | None:
 
 
 def run(ctx: Context) -> list[CheckResult]:
+    # torch only inside run(): the runner imports this module outside the try that makes a crash a FAIL row
     import torch
 
     available = torch.cuda.is_available()

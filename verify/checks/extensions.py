@@ -25,6 +25,7 @@ import importlib
 import importlib.machinery
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import re
 from dataclasses import dataclass, field
@@ -272,7 +273,7 @@ def _import_error(module: str) -> str:
 
 
 def package_rows(inst: Installed, gpu: tuple[int, int] | None) -> list[CheckResult]:
-    import torch
+    import torch  # see run()
 
     if not inst.present:
         return [decide_import(inst.package, None, None, False, "", {})]
@@ -306,8 +307,6 @@ def package_rows(inst: Installed, gpu: tuple[int, int] | None) -> list[CheckResu
 def bindings_of(module) -> dict[str, Resolution]:
     """Every use_kernel_func_from_hub_with_fallback binding of a modeling module, by attribute
     (families.binding reads each closure, looking through a wrapper put around it)."""
-    import inspect
-
     found = {}
     for name, obj in sorted(vars(module).items()):
         if not inspect.isfunction(obj):
@@ -322,6 +321,8 @@ def bindings_of(module) -> dict[str, Resolution]:
 
 
 def run(ctx: Context) -> list[CheckResult]:
+    # torch (and families.runtime, which imports it) only inside run(): the runner imports this module
+    # outside the try that makes a crash a FAIL row, and an audited image's torch may fail to import
     import torch
 
     from families.runtime import modeling_module

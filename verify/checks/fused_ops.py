@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from families.binding import explain_fallback, read_resolution
 from verify.context import Context
 from verify.report import CheckResult, Status
 
@@ -68,7 +69,7 @@ def unnamed_kernel_verdict(op: str, kernels, torch_reference_calls: int) -> Chec
 
 def profile_probe_step(ctx: Context, module, resolutions) -> tuple:
     """One fwd+bwd step of the probe model through transformers, profiled. Returns (StepProfile, model)."""
-    import torch
+    import torch  # see run()
 
     from verify.kernel_profile import profile_phases
     from verify.probe import build_probe_model, packed_batch, token_loss_sum, watched_code
@@ -96,6 +97,8 @@ def profile_probe_step(ctx: Context, module, resolutions) -> tuple:
 
 
 def run(ctx: Context) -> list[CheckResult]:
+    # torch, and the modules that import it, only when the check runs: the runner imports this module
+    # outside the try that makes a crash a FAIL row
     import torch
 
     if not torch.cuda.is_available():
@@ -107,9 +110,8 @@ def run(ctx: Context) -> list[CheckResult]:
 
 def run_on_device(ctx: Context) -> list[CheckResult]:
     """The work itself, without the CUDA gate (tests drive it on CPU, where every row must FAIL)."""
-    import torch
+    import torch  # see run()
 
-    from families.binding import read_resolution
     from families.runtime import modeling_module
     from verify.kernel_profile import kernel_verdict
     from verify.op_numerics import CHECKERS, check_flash_attention
@@ -134,10 +136,9 @@ def run_on_device(ctx: Context) -> list[CheckResult]:
     attention = ctx.attention_kernel
 
     def attention_row():
+        # transformers only here, inside _guarded: the runner checks REQUIRES after it imports this module
         from transformers import modeling_flash_attention_utils as fa_utils
         from transformers.utils import is_flash_attn_2_available
-
-        from families.binding import explain_fallback
 
         attn = family.attention
         if not is_flash_attn_2_available():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from families.binding import read_resolution
 from verify.context import Context
 from verify.report import CheckResult, Status
 
@@ -127,9 +128,10 @@ def judge(measurement, tol: Tolerance, conv_note: str = "") -> list[CheckResult]
 
 
 def run(ctx: Context) -> list[CheckResult]:
+    # torch, and the modules that import it, only when the check runs: the runner imports this module
+    # outside the try that makes a crash a FAIL row
     import torch
 
-    from families.binding import read_resolution
     from families.runtime import hooks, modeling_module, probe_dtype
     from verify.packing_probe import measure
     from verify.probe import build_probe_model
