@@ -57,11 +57,11 @@ BUILDERS = ("oci", "dockerfile")
 
 def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: EventLog,
                 engine: Engine | None = None, force: bool = False, builder: str = "oci",
-                remote: RemoteCache | None = None) -> BuildReport:
-    """Build the image `plan` describes and write its build report. `remote`: the remote cache,
-    read for what the local cache lacks; the kernel entries this build used are pushed right
-    after the kernel stage, its layers are queued on it for `build_and_publish` to push after
-    any image push."""
+                remote: RemoteCache | None = None, write_report: bool = True) -> BuildReport:
+    """Build the image `plan` describes and (unless `write_report` is False) write its build
+    report. `remote`: the remote cache, read for what the local cache lacks; the kernel entries
+    this build used are pushed right after the kernel stage, its layers are queued on it for
+    `build_and_publish` to push after any image push."""
     started = time.monotonic()
     folder_guard.claim(out_dir, folder_guard.OUTPUT_MARKER, what="output folder", option="--out", force=force)
     timer = PhaseTimer(log)
@@ -135,7 +135,8 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
     report.total_seconds = round(time.monotonic() - started, 2)
     if remote is not None:
         report.remote_cache = remote.record()
-    atomic.write_text(out_dir / REPORT_NAME, report.to_json())
+    if write_report:
+        atomic.write_text(out_dir / REPORT_NAME, report.to_json())
     return report
 
 
@@ -143,18 +144,20 @@ def build_and_publish(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log
                       force: bool = False, builder: str = "oci", remote: RemoteCache | None = None,
                       push_target: PushTarget | None = None, sign_key=None) -> BuildReport:
     """What `python -m build IMAGE_DIR [--push REPO [--sign KEY]] [--cache-registry REPO]` does:
-    build the image, push it (and sign it), then flush the remote cache's queued layers, then
-    write the report once more with what the push and the cache did. The order matters: the
-    flush mounts layer blobs the push already stored in the same registry, instead of sending
-    them twice."""
+    build the image, push it (and sign it), then flush the remote cache's queued layers, then write
+    the report, once, with what all of them did. The order matters: the flush mounts layer blobs
+    the push already stored in the same registry, instead of sending them twice. A push or flush
+    that fails still leaves the report of the image that was built (without what failed)."""
     report = build_image(plan, cache=cache, out_dir=out_dir, log=log, force=force, builder=builder,
-                         remote=remote)
-    if push_target is not None:
-        push_image(report, push_target, out_dir=out_dir, log=log, sign_key=sign_key)
-    if remote is not None:
-        same_registry = push_target is not None and push_target.registry == remote.options.registry
-        remote.flush(mount_from=push_target.path if same_registry else "")
-        report.remote_cache = remote.record()
+                         remote=remote, write_report=False)
+    try:
+        if push_target is not None:
+            push_image(report, push_target, out_dir=None, log=log, sign_key=sign_key)
+        if remote is not None:
+            same_registry = push_target is not None and push_target.registry == remote.options.registry
+            remote.flush(mount_from=push_target.path if same_registry else "")
+            report.remote_cache = remote.record()
+    finally:
         atomic.write_text(out_dir / REPORT_NAME, report.to_json())
     return report
 

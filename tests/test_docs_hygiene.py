@@ -83,8 +83,10 @@ def test_the_import_tables_in_the_architecture_doc_are_the_enforced_ones():
 
 def test_a_stale_import_table_fails():
     text = ARCHITECTURE.read_text()
-    build_row = next(line for line in text.splitlines() if line.startswith("| `build/` |"))
-    assert table_problems(text.replace(build_row, build_row.replace(", `guard/`", "")), "parts", ALLOWED) == [
+    marker = text.index("<!-- may-import: parts -->")
+    build_row = next(line for line in text[marker:].splitlines() if line.startswith("| `build/` |"))
+    stale = text[:marker] + text[marker:].replace(build_row, build_row.replace(", `guard/`", ""), 1)
+    assert table_problems(stale, "parts", ALLOWED) == [
         "parts: build may import ['contracts', 'families', 'guard'], the doc says ['contracts', 'families']"]
     extra = text.replace("| `cache.py` | `errors.py` |", "| `cache.py` | `errors.py` |\n| `gone.py` | nothing |")
     assert table_problems(extra, "build", BUILD_LAYERS) == ["build: row 'gone' is not in the enforced table"]

@@ -33,10 +33,10 @@ LAYER_DONE = ("Pushed", "Layer already exists")
 
 # ---- the push -----------------------------------------------------------------------------
 
-def push_image(report: BuildReport, target: PushTarget, *, out_dir: Path, log: EventLog,
+def push_image(report: BuildReport, target: PushTarget, *, out_dir: Path | None, log: EventLog,
                client: PushClient | None = None, sign_key=None) -> PushRecord:
-    """Push the image `report` describes to `target`, record the digest in out_dir's build report
-    (written atomically) and in `report.pushed`; return the record. With `sign_key`, also push a
+    """Push the image `report` describes to `target`, record the digest in `report.pushed` and, given
+    `out_dir`, in its build report (written atomically); return the record. With `sign_key`, also push a
     cosign signature and a provenance attestation for that digest (attest.py)."""
     if client is None and report.layout:
         client = LayoutPushClient(Path(report.layout), Registry(
@@ -64,7 +64,8 @@ def push_image(report: BuildReport, target: PushTarget, *, out_dir: Path, log: E
     if sign_key is not None:
         record = _sign(record, report, target, sign_key, log)
     report.pushed = record.to_dict()
-    atomic.write_text(Path(out_dir) / REPORT_NAME, report.to_json())
+    if out_dir is not None:   # build_and_publish writes the report itself, once, after the remote cache's flush
+        atomic.write_text(Path(out_dir) / REPORT_NAME, report.to_json())
     log.emit("push", f"pushed {record.reference}")
     return record
 

@@ -327,11 +327,11 @@ def test_build_and_publish_pushes_then_flushes_then_writes_the_report_once(tmp_p
     plan = load_plan(REPO_ROOT / "images" / "smoke")
 
     def fake_build_image(plan, **kwargs):
-        calls.append(("build", kwargs["remote"] is remote))
+        calls.append(("build", kwargs["remote"] is remote, kwargs["write_report"]))
         return BuildReport(image="smoke", tag=plan.tag)
 
     def fake_push(report, target, **kwargs):
-        calls.append(("push", target.repository, kwargs["sign_key"]))
+        calls.append(("push", target.repository, kwargs["sign_key"], kwargs["out_dir"]))
         report.pushed = {"reference": f"{target.repository}@sha256:{'0' * 64}"}
 
     written: list[dict] = []
@@ -343,21 +343,41 @@ def test_build_and_publish_pushes_then_flushes_then_writes_the_report_once(tmp_p
     report = pipeline.build_and_publish(plan, cache=CacheLayout(tmp_path / "cache"), out_dir=tmp_path / "out",
                                         log=QUIET, remote=remote, sign_key="KEY",
                                         push_target=PushTarget("127.0.0.1:5000", "team/smoke"))
-    assert calls == [("build", True), ("push", "127.0.0.1:5000/team/smoke", "KEY"), ("flush", mount_from),
-                     ("write", "build-report.json")]
+    assert calls == [("build", True, False), ("push", "127.0.0.1:5000/team/smoke", "KEY", None),
+                     ("flush", mount_from), ("write", "build-report.json")]
     assert written[-1]["remote_cache"] == {"flushed": True} and written[-1]["pushed"] == report.pushed
 
 
-def test_build_and_publish_without_a_push_or_remote_cache_is_the_build(tmp_path, monkeypatch):
+def test_build_and_publish_without_a_push_or_remote_cache_is_the_build_and_one_report(tmp_path, monkeypatch):
     from build.build_report import BuildReport
 
     plan = load_plan(REPO_ROOT / "images" / "smoke")
     built = BuildReport(image="smoke", tag=plan.tag)
+    writes: list[str] = []
     monkeypatch.setattr(pipeline, "build_image", lambda plan, **kwargs: built)
     monkeypatch.setattr(pipeline, "push_image", lambda *a, **k: pytest.fail("pushed without --push"))
-    monkeypatch.setattr(pipeline.atomic, "write_text", lambda *a: pytest.fail("wrote the report twice"))
+    monkeypatch.setattr(pipeline.atomic, "write_text", lambda path, text: writes.append(Path(path).name))
     assert pipeline.build_and_publish(plan, cache=CacheLayout(tmp_path / "cache"), out_dir=tmp_path / "out",
                                       log=QUIET) is built
+    assert writes == ["build-report.json"]
+
+
+def test_a_failed_push_still_leaves_the_report_of_the_built_image(tmp_path, monkeypatch):
+    from build.build_report import BuildReport
+    from build.publish.reference import PushTarget
+
+    plan = load_plan(REPO_ROOT / "images" / "smoke")
+    monkeypatch.setattr(pipeline, "build_image", lambda plan, **kwargs: BuildReport(image="smoke", tag=plan.tag))
+
+    def failing_push(*args, **kwargs):
+        raise BuildFailure("push to 127.0.0.1:5000 failed: connection refused", "start the registry")
+
+    monkeypatch.setattr(pipeline, "push_image", failing_push)
+    with pytest.raises(BuildFailure, match="connection refused"):
+        pipeline.build_and_publish(plan, cache=CacheLayout(tmp_path / "cache"), out_dir=tmp_path / "out", log=QUIET,
+                                   push_target=PushTarget("127.0.0.1:5000", "team/smoke"))
+    saved = json.loads((tmp_path / "out" / "build-report.json").read_text())
+    assert saved["image"] == "smoke" and saved["pushed"] == {}
 
 
 def test_the_build_command_parses_and_hands_the_build_to_the_pipeline(tmp_path, monkeypatch, capsys):
