@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip() + "\n\n" + USAGE)
         return 0 if argv else EXIT_USAGE
     command, rest = argv[0], argv[1:]
+    # each subcommand's modules are imported when it runs: every command (`docker run IMAGE id -u`) starts here
     if command == "finetune":
         from entrypoint.finetune_cli import finetune
         return finetune(rest)
@@ -96,7 +97,7 @@ def gate(argv: list[str], *, run_verify=None) -> int:
         err("gate needs a command to run", "e.g. python -m entrypoint gate -- torchrun --nproc-per-node 8 train.py")
         return EXIT_USAGE
     if run_verify is None:
-        from entrypoint.launcher.verify_gate import run_verify
+        from entrypoint.launcher.verify_gate import run_verify  # as in main()
     allow = args.allow_fallback or truthy(os.environ.get(ALLOW_FALLBACK_ENV))
     log(f"[gate] running verify before: {' '.join(command)}")
     outcome = run_verify(model=args.model, param_dtype=args.param_dtype)
@@ -122,7 +123,7 @@ def info(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m entrypoint info", description="summarize the build lock")
     parser.add_argument("--json", action="store_true", help="print the raw lock JSON")
     args = parser.parse_args(argv)
-    from contracts.lock import LockError, load_lock, lock_path
+    from contracts.lock import LockError, load_lock, lock_path  # as in main()
     from entrypoint.info import summarize
 
     try:

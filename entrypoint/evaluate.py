@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from contracts.collate import IGNORE_INDEX
 from entrypoint.data.corpus import Corpus
@@ -120,8 +121,6 @@ class Evaluator:
         """Greedy completions of the first `n` held-out prompts (each document up to its last reply),
         generated in lockstep on every rank; rank 0 gets them all. `stop` as for loss(), checked
         before each generated token."""
-        import torch.distributed as dist
-
         prompts = []
         for i in range(len(self.corpus)):
             start = last_reply_start(self.corpus.doc_labels(i))

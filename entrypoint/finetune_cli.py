@@ -8,7 +8,14 @@ import os
 import sys
 
 from contracts.errors import headline
-from entrypoint.observability.console import ALLOW_FALLBACK_ENV, err, log, truthy
+from contracts.events import EventLog
+from contracts.finetune_config import ConfigError
+from entrypoint.data.sources import DataError
+from entrypoint.inputs import InputError, check_remote_code
+from entrypoint.launcher.export_job import prepare_export
+from entrypoint.launcher.preflight import FinetuneError, lock_layer, prepare, print_config, resolve_config
+from entrypoint.launcher.supervise import Stops, run_agent, stop_behind
+from entrypoint.observability.console import ALLOW_FALLBACK_ENV, JSON_LOGS_ENV, err, log, truthy
 
 EXIT_USAGE = 2
 
@@ -49,11 +56,6 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 
 def export(argv: list[str]) -> int:
     """`finetune export --checkpoint step-N`: a kept checkpoint as HF safetensors, on its own."""
-    from contracts.finetune_config import ConfigError
-    from entrypoint.launcher.export_job import prepare_export
-    from entrypoint.launcher.preflight import FinetuneError
-    from entrypoint.launcher.supervise import run_agent
-
     p = argparse.ArgumentParser(prog="python -m entrypoint finetune export",
                                 description="export a kept checkpoint as HF safetensors to <output.dir>/exports/step-N")
     p.add_argument("--checkpoint", required=True, help="step-N under <output.dir>/checkpoints, or a step folder")
@@ -72,8 +74,6 @@ def export(argv: list[str]) -> int:
 def finetune(argv: list[str]) -> int:
     if argv[:1] == ["export"]:
         return export(argv[1:])
-    from entrypoint.launcher.supervise import Stops, stop_behind
-
     with Stops() as stops:   # SIGINT/SIGTERM from here on: ends preflight, or reaches the workers (supervise.py)
         try:
             return _finetune(argv, stops)
@@ -90,12 +90,6 @@ def stopped_before_launch(exc, say) -> int:
 
 
 def _finetune(argv: list[str], stops) -> int:
-    from contracts.events import EventLog
-    from contracts.finetune_config import ConfigError
-    from entrypoint.launcher.preflight import FinetuneError, prepare, print_config
-    from entrypoint.launcher.supervise import run_agent, stop_behind
-    from entrypoint.observability.console import JSON_LOGS_ENV
-
     args = finetune_parser().parse_intermixed_args(argv)   # KEY=VALUE before or after the flags
     flags = flag_overrides(args)
     events = EventLog(json_lines=args.json_logs)
@@ -131,12 +125,9 @@ def _finetune(argv: list[str], stops) -> int:
 
 
 def inspect_data(argv: list[str]) -> int:
-    from contracts.finetune_config import ConfigError
+    # numpy, torch and the tokenizer for inspect-data only: `finetune` checks its config without them
     from entrypoint.data.corpus_build import resolve_all
     from entrypoint.data.inspect_data import inspect
-    from entrypoint.data.sources import DataError
-    from entrypoint.inputs import InputError, check_remote_code
-    from entrypoint.launcher.preflight import lock_layer, resolve_config
     from entrypoint.model import ModelError, load_tokenizer
 
     p = argparse.ArgumentParser(prog="python -m entrypoint inspect-data",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from contracts.collate import IGNORE_INDEX
 
@@ -19,8 +20,6 @@ def chunked_ce_sum(logits: torch.Tensor, labels: torch.Tensor, chunk: int) -> to
     bf16 logits stay, plus one chunk's fp32 transients."""
     if chunk <= 0 or logits.shape[0] <= chunk:
         return _ce_sum(logits, labels)
-    from torch.utils.checkpoint import checkpoint
-
     parts = [checkpoint(_ce_sum, a, b, use_reentrant=False) for a, b in zip(logits.split(chunk), labels.split(chunk))]
     return torch.stack(parts).sum()
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from contracts.errors import FixableError
+from entrypoint.checkpoint.hf_safetensors import load_sharded
 
 
 class ModelError(FixableError):
@@ -39,6 +40,8 @@ def _source(path: str) -> str:
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     """trust_remote_code is always passed explicitly: left unset, transformers asks on stdin
     whether to run a folder's auto_map code, and a piped `y` would answer it."""
+    # transformers here, not at import: a worker sets its signal handlers first (train.main), and the
+    # launcher imports it inside the run's cache environment (preflight.build_corpus)
     from transformers import AutoTokenizer
 
     try:
@@ -59,7 +62,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 def load_model(path: str, *, attn_implementation: str, trust_remote_code: bool = False):
     """fp32 master weights on CPU; FSDP2 moves each rank's shard to the device and casts
     the gathered copy to the compute dtype."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # as in load_tokenizer
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -76,7 +79,7 @@ def load_model(path: str, *, attn_implementation: str, trust_remote_code: bool =
 def build_on_meta(path: str, *, attn_implementation: str, trust_remote_code: bool = False):
     """The model's module tree on the meta device (no memory), every rank alike: FSDP2 wraps it, then
     each rank allocates and reads only its own shards (hf_checkpoint.load_sharded)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM  # as in load_tokenizer
 
     if not (Path(path) / "config.json").is_file():
         raise ModelError(f"model.path {path} is not a local model folder",
@@ -110,7 +113,7 @@ def rebuild_buffers(model, device: torch.device) -> None:
 def sharded_model(cfg, *, attn: str, device, world: int):
     """(model, n_ac): built on the meta device, activation checkpointing, FSDP2 (or HSDP), then each
     rank allocates and reads only its own shards from the HF safetensors."""
-    from entrypoint.checkpoint.hf_safetensors import load_sharded
+    # FSDP on the ranks only: the launcher imports this module for the tokenizer
     from entrypoint.distributed.parallelize import apply_activation_checkpointing, apply_fsdp, build_mesh
 
     p = cfg.parallel

@@ -11,6 +11,7 @@ def schedule(optimizer, cfg: FinetuneConfig, total_steps: int | None = None, at_
     """transformers' warmup + cosine down to a floor (min_lr_rate), over the run's total steps. Its
     warmup starts at lr 0 at step 0: the first optimizer step runs at lr 0. `at_step` rebuilds
     it mid-run (a resume that changed the schedule): the lr is the new schedule's at that step."""
+    # transformers loads with the model, not when the worker starts: train.main sets its signal handlers first
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
     t = cfg.train

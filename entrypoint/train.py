@@ -23,6 +23,7 @@ from entrypoint.checkpoint.dcp import CheckpointError, DiskFull
 from entrypoint.data.sampler import SamplerStateError
 from entrypoint.data.sources import DataError
 from entrypoint.distributed import collectives
+from entrypoint.launcher.export_job import run_export
 from entrypoint.launcher.run_plan import RunPlan
 from entrypoint.launcher.stop_request import StopRequest, die_with_launcher, hold, watch_launcher
 from entrypoint.model import ModelError
@@ -40,8 +41,6 @@ def run(plan: RunPlan, stop: StopRequest) -> dict:
     cfg = plan.config
     rank, world, device = collectives.init_distributed(cfg.launch.timeout_minutes)
     if plan.action == "export":
-        from entrypoint.launcher.export_job import run_export
-
         result = run_export(plan, rank, world, device)
         result["stopped_while_finishing"] = collectives.any_rank(stop(), device)   # a barrier too
         return result

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from contracts.finetune_config import FinetuneConfig, parse_profile_steps
+from contracts.folder_guard import open_append_nofollow, real_dir
+from entrypoint.checkpoint import resume as rs
 from entrypoint.checkpoint.dcp import Checkpointer, CheckpointError, resume_candidates
 from entrypoint.checkpoint.hf_safetensors import export as hf_export
+from entrypoint.checkpoint.resume import run_config
 from entrypoint.checkpoint.trainer_state import TrainerState
 from entrypoint.data.corpus import Corpus, read_corpus
 from entrypoint.data.micro_batches import MicroBatch, build_micro_batch
@@ -29,11 +33,13 @@ from entrypoint.distributed import collectives
 from entrypoint.distributed.parallelize import DTYPES
 from entrypoint.evaluate import EvalInterrupted, EvalState, Evaluator
 from entrypoint.launcher.run_plan import RunPlan
+from entrypoint.launcher.stop_request import hold
 from entrypoint.model import load_tokenizer, resolve_attention, sharded_model
 from entrypoint.observability.console import Console
 from entrypoint.observability.flops import FlopModel, IntervalMeter, device_peak_flops, flop_model
 from entrypoint.observability.profiling import StepProfiler
-from entrypoint.observability.run_summary import RunTotals
+from entrypoint.observability.run_summary import AnonPeak, RunTotals, logged_loss
+from entrypoint.observability.trackers import Metrics, drop_records_after, requested
 from entrypoint.schedule import schedule, steps_for_epochs
 from entrypoint.step import NonFiniteLoss, PendingStep, StepOutcome, read_interval, run_step
 
@@ -80,8 +86,6 @@ class Trainer:
 
     @classmethod
     def build(cls, cfg: FinetuneConfig, plan: RunPlan, rank: int, world: int, device: torch.device) -> Trainer:
-        from entrypoint.observability.run_summary import AnonPeak
-
         anon = AnonPeak()   # from the start: the load's peak is the one that matters at size
         con = Console(rank)
         out = Path(cfg.output.dir)
@@ -154,10 +158,6 @@ class Trainer:
         """Continue from a loaded checkpoint (every field validated by read_state): its schedule and
         data position, unless the config changed a key the table lists and allow_changed applies
         it (the launcher refused the rest)."""
-        from dataclasses import asdict
-
-        from entrypoint.checkpoint import resume as rs
-
         step = state.step
         changed = rs.changes(state.run_config, rs.run_config(self.cfg, self.plan.packing.requested),
                              asdict(state.data_fingerprint), self.corpus.fingerprint())
@@ -190,13 +190,9 @@ class Trainer:
         self.step = self.last_saved = step
         self.resumed_from = str(path)
         if self.plan.action == "finish":   # the final checkpoint: no more steps; its outcome and last loss
-            from entrypoint.observability.run_summary import logged_loss
-
             self.early_stopped, self.last_loss = bool(state.early_stopped), logged_loss(
                 self.out / "metrics.jsonl", step)
         if self.rank == 0:
-            from entrypoint.observability.trackers import drop_records_after
-
             dropped = drop_records_after(self.out / "metrics.jsonl", step)
             if dropped:
                 self.con.info(f"metrics.jsonl: dropped {dropped} record(s) after step {step}, logged again now")
@@ -218,8 +214,6 @@ class Trainer:
 
     def fit(self) -> None:
         cfg = self.cfg
-        from entrypoint.observability.trackers import Metrics, requested
-
         metrics = Metrics(self.out, enabled=self.rank == 0, trackers=requested(cfg.output),
                           run_name=self.out.name, config=cfg.to_dict())
         window = parse_profile_steps(cfg.output.profile_steps) if cfg.output.profile_steps else None
@@ -314,8 +308,6 @@ class Trainer:
             samples = self.evaluator.samples(self.model, self.tokenizer, cfg.eval.samples, cfg.eval.max_new_tokens,
                                              stop=self.stop_flag)
             if self.rank == 0:
-                from contracts.folder_guard import open_append_nofollow
-
                 with open_append_nofollow(self.out / "samples.jsonl") as fh:
                     for sample in samples:
                         fh.write(json.dumps({"step": self.step, **sample}, ensure_ascii=False) + "\n")
@@ -341,8 +333,6 @@ class Trainer:
                 **meter.summary(wall_s, self.world, self.totals.peak_flops)}
 
     def save(self, *, wait: bool = False) -> None:
-        from entrypoint.checkpoint.resume import run_config
-
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict(),
                  "data_fingerprint": self.corpus.fingerprint(),
                  "run_config": run_config(self.cfg, self.plan.packing.requested),
@@ -355,9 +345,6 @@ class Trainer:
 
     def export(self, out_dir: Path) -> Path | None:
         """The model as HF safetensors every rank writes its part of (hf_checkpoint.export)."""
-        from contracts.folder_guard import real_dir
-        from entrypoint.launcher.stop_request import hold
-
         if self.rank == 0:
             real_dir(out_dir.parent)
         started = time.perf_counter()
@@ -377,8 +364,6 @@ class Trainer:
             if self.cfg.checkpoint.export:
                 exported = self.export(self.out / "final")
         self.totals.mark_host_peak("export")
-        import torch.distributed as dist
-
         peaks: list = [None] * self.world
         dist.all_gather_object(peaks, self.totals.host_peaks)   # every rank's, into run_report.json
         c = self.corpus

@@ -47,6 +47,7 @@ from entrypoint.checkpoint import rng_state
 from entrypoint.checkpoint import trainer_state as ts
 from entrypoint.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpoint
 from entrypoint.checkpoint.trainer_state import MARKER, TRAINER_STATE, TrainerState
+from entrypoint.distributed.collectives import barrier
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -248,8 +249,6 @@ class Checkpointer:
         self.async_group = dist.new_group(backend="gloo") if asynchronous else None
 
     def barrier(self) -> None:
-        from entrypoint.distributed.collectives import barrier
-
         barrier(self.device)
 
     def clean_stale(self) -> list[str]:

@@ -20,10 +20,15 @@ safetensors_header.py) is one clear error naming the file and the tensor.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
+from safetensors import safe_open
+
+from contracts import atomic
 from contracts.errors import FixableError
+from contracts.folder_guard import UnsafeFolder, is_real_dir
 from entrypoint.checkpoint import json_limits
 from entrypoint.checkpoint.safetensors_header import HEADER_LIMIT, MALFORMED_FIX, HeaderError, read_header
 
@@ -95,6 +100,7 @@ def check_source(model_dir: Path) -> dict[str, Path]:
 def load_sharded(model, model_dir: Path) -> None:
     """Fill an FSDP2-sharded model (materialized with to_empty) from the source's safetensors, each
     rank reading only its own slices."""
+    # torch on the ranks only: the launcher imports this module for check_source, before it needs torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -117,12 +123,9 @@ def _tied(model) -> bool:
 
 def export(model, hf_config, tokenizer, source_dir: Path, out_dir: Path, *, dtype, rank: int, barrier) -> Path | None:
     """Write `out_dir` (see above) from every rank; returns it on rank 0."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # torch: as in load_sharded
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    from contracts import atomic
-    from contracts.folder_guard import UnsafeFolder, is_real_dir
 
     if out_dir.is_symlink() or (out_dir.exists() and not is_real_dir(out_dir)):
         raise UnsafeFolder(f"{out_dir} is a symlink or a file; the export is only written into real folders",
@@ -140,7 +143,7 @@ def export(model, hf_config, tokenizer, source_dir: Path, out_dir: Path, *, dtyp
     barrier()
     names = sorted({p.name for p in source.values()})
     mapping = {k: names.index(source[k].name) + 1 for k in state if k in source}
-    from entrypoint.checkpoint.dcp import disk_full, ran_out_of_space, state_bytes
+    from entrypoint.checkpoint.dcp import disk_full, ran_out_of_space, state_bytes  # imports torch
 
     needed = state_bytes(state) * 2   # the per-rank parts, then the consolidated shards
     try:
@@ -175,8 +178,6 @@ def export(model, hf_config, tokenizer, source_dir: Path, out_dir: Path, *, dtyp
 def _name_as_source(staging: Path, names: list[str]) -> None:
     """The writer names its shards model-0000i-of-0000N.safetensors; give shard i the source's i-th
     file name, so the export replaces the source file for file."""
-    import re
-
     for path in staging.glob("*.safetensors"):
         match = re.fullmatch(r"model-(\d{5})-of-\d{5}\.safetensors", path.name)
         if match and int(match.group(1)) <= len(names):
@@ -185,8 +186,7 @@ def _name_as_source(staging: Path, names: list[str]) -> None:
 
 def _copy_through(source: dict[str, Path], exported: set[str], staging: Path) -> list[str]:
     """Tensors of the source the training model does not hold, unchanged, into their own shard."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # imports torch: as in load_sharded
 
     names = sorted(set(source) - exported)
     if not names:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as md
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import StorageMeta
@@ -175,8 +176,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpoint(f"entry {read_item.dest_index.fqn} is not plain data: "
                                    f"{str(exc).splitlines()[0]}") from None
-        from torch.distributed.checkpoint._traverse import set_element
-
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:

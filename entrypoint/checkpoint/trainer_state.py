@@ -29,6 +29,7 @@ from contracts.finetune_config import RESUME_KEYS, FinetuneConfig
 from contracts.folder_guard import read_bytes_nofollow
 from contracts.schema import Problems, Reader, rule
 from entrypoint.checkpoint import json_limits, rng_state
+from entrypoint.checkpoint.safe_load import SafeFileSystemReader, UnsafeCheckpoint
 
 TRAINER_STATE = "trainer_state.json"
 MARKER = ".ftimage-checkpoint"
@@ -306,8 +307,6 @@ def read_states(folder: Path, folder_step: int, param_groups: int | None = None)
 def read_contents(folder: Path, state: TrainerState, ranks: Iterable[int] | None = None) -> None:
     """The RNG files of `ranks` (every rank that saved when None; kept in state.rng only when
     named) and DCP's metadata, each read and checked as data (rng_state.parse, safe_load)."""
-    from entrypoint.checkpoint.safe_load import SafeFileSystemReader, UnsafeCheckpoint
-
     keep = ranks is not None
     for rank in (range(state.world_size) if ranks is None else ranks):
         if not 0 <= rank < state.world_size:

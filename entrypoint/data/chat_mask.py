@@ -141,6 +141,7 @@ def _match_content(real: str, pos: int, content: str, after: str, last: bool) ->
 def render_tagged(tokenizer, messages: list[dict]) -> Rendered:
     """Generation-tagged templates: the rendered chat and transformers' own generation spans
     (the character spans apply_chat_template(..., return_assistant_tokens_mask=True) masks)."""
+    # transformers only when rendering: the workers import this module (micro_batches -> tokenize)
     from transformers.utils.chat_template_utils import render_jinja_template
 
     rendered, indices = render_jinja_template(conversations=[messages], chat_template=tokenizer.chat_template,

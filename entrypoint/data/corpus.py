@@ -13,6 +13,7 @@ Per document the corpus keeps only (shard, start, length, row): 22 bytes.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,6 +132,7 @@ class Corpus:
         return shard.labels[a:a + int(self.lengths[i])]
 
     def document(self, i: int):
+        # contracts.collate imports torch: the launcher resolves and reads corpora through this module first
         from contracts.collate import Document
 
         return Document(input_ids=self.doc_tokens(i).tolist(), labels=self.doc_labels(i).tolist())
@@ -154,7 +156,7 @@ class Corpus:
 
 def _open_arrow(path: str):
     """A table whose buffers live in the memory-mapped file (Arrow stream or file format)."""
-    import pyarrow as pa
+    import pyarrow as pa  # when a corpus is opened: the launcher resolves its data sources through this module
 
     source = pa.memory_map(path, "r")
     try:
@@ -166,7 +168,7 @@ def _open_arrow(path: str):
 def open_source(files: list[str]) -> tuple[list[Shard], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Shards and per-document arrays (shard, start, length, row) for the good rows of a tokenized
     source, in row order, zero-copy."""
-    import pyarrow as pa
+    import pyarrow as pa  # see _open_arrow
 
     shards: list[Shard] = []
     doc_shard, doc_start, lengths, rows = [], [], [], []
@@ -202,8 +204,6 @@ def open_source(files: list[str]) -> tuple[list[Shard], np.ndarray, np.ndarray, 
 def write_manifest(path: Path, *, sources: list[dict], selection: np.ndarray, bad: BadRows, n_rows: int,
                    identity: str) -> Path:
     """The run's corpus: its sources' Arrow files, which documents (selection.npy), the bad rows."""
-    import io
-
     buffer = io.BytesIO()
     np.save(buffer, np.asarray(selection, dtype=np.int64), allow_pickle=False)
     atomic.write_bytes(path.with_suffix(".npy"), buffer.getvalue())

@@ -22,8 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from contracts.finetune_config import DataConfig, FinetuneConfig, SourceConfig
 from entrypoint.data.corpus import BadRows, Corpus, open_source, read_corpus, write_manifest
-from entrypoint.data.sources import Source, resolve
+from entrypoint.data.sources import DataError, Source, resolve
+from verify.scratch import private_scratch
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,6 @@ class Built:
 
 def source_specs(data) -> list[tuple[str, object]]:
     """(field, spec) for each training source: data.sources entries, or data.path as one."""
-    from contracts.finetune_config import SourceConfig
-
     if data.sources:
         return [(f"data.sources[{i}]", s) for i, s in enumerate(data.sources)]
     return [("data", SourceConfig(path=data.path, weight=1.0, format=data.format, schema="", split=data.split))]
@@ -82,6 +82,7 @@ def split_eval(n_docs: int, fraction: float, seed: int, salt: int) -> tuple[np.n
 
 
 def build(cfg, tokenizer, cache_dir: Path, *, log: Callable[[str], None], events=None) -> Built:
+    # tokenize imports torch (contracts.collate): the launcher resolves sources here before it needs torch
     from entrypoint.data.tokenize import tokenize_source
 
     data = cfg.data
@@ -140,14 +141,9 @@ def build(cfg, tokenizer, cache_dir: Path, *, log: Callable[[str], None], events
 def load_corpus(cfg, tokenizer, events=None, cache_dir: Path | None = None) -> Corpus:
     """The training corpus `cfg` describes (a FinetuneConfig, or just its DataConfig), built through
     datasets into `cache_dir` (default: this user's private scratch)."""
-    from contracts.finetune_config import DataConfig, FinetuneConfig
-    from entrypoint.data.sources import DataError
-
     if isinstance(cfg, DataConfig):
         cfg = FinetuneConfig(data=cfg)
     if cache_dir is None:
-        from verify.scratch import private_scratch
-
         cache_dir = private_scratch() / "datasets"
     cache_dir.mkdir(parents=True, exist_ok=True)
     corpus = read_corpus(build(cfg, tokenizer, cache_dir, log=lambda _m: None, events=events).train)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import stat
+from glob import has_magic
 from pathlib import Path, PurePosixPath
 
 from contracts import safe_yaml
@@ -86,7 +87,7 @@ def _relative(value, folder: Path, what: str) -> str:
 
 
 def _default_config(configs, folder: Path) -> dict:
-    from datasets.utils.metadata import MetadataConfigs
+    from datasets.utils.metadata import MetadataConfigs  # see splits()
 
     if not isinstance(configs, list) or not all(isinstance(c, dict) for c in configs):
         raise FolderRefused(f"{folder / README}: `configs:` is not a list of mappings",
@@ -108,7 +109,7 @@ def _default_config(configs, folder: Path) -> dict:
 
 def _patterns(config: dict, folder: Path) -> tuple[dict[str, list[str]] | None, Path]:
     """(split -> patterns, or None for datasets' defaults; the folder they are relative to)."""
-    from datasets.data_files import sanitize_patterns
+    from datasets.data_files import sanitize_patterns  # see splits()
 
     base = folder
     if config.get("data_dir") is not None:
@@ -135,8 +136,8 @@ def _visible(path: str, base: Path) -> bool:
 def splits(folder: str | Path, field: str = "data.path") -> dict[str, list[str]]:
     """Split -> its data files (sorted, absolute), in the order the dataset declares its splits.
     Check the files of the split you read with split_files."""
-    from glob import has_magic
-
+    # datasets only for a dataset folder: every source goes through sources.py, which imports this module
+    # in the launcher and in every worker
     from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
 
     folder = Path(folder)

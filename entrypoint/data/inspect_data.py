@@ -18,6 +18,7 @@ from itertools import islice
 import numpy as np
 
 from contracts.collate import IGNORE_INDEX
+from entrypoint.data.corpus_build import load_corpus
 
 TRAINED_TTY = ("\033[1;42;30m", "\033[0m")   # bold, green background
 TRAINED_PLAIN = ("[[", "]]")
@@ -53,8 +54,6 @@ def document_record(tokenizer, row: int, ids: np.ndarray, labels: np.ndarray) ->
 
 def inspect(cfg, tokenizer, *, rows: int, as_json: bool, colour: bool, out=sys.stdout) -> dict:
     """Tokenize the whole configured data (so the summary counts every row), show the first `rows`."""
-    from entrypoint.data.corpus_build import load_corpus
-
     corpus = load_corpus(cfg, tokenizer)
     shown = []
     for i in islice(range(len(corpus)), rows):

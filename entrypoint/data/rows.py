@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,7 @@ def _is_json_array(path: str) -> bool:
 
 
 def check_parquet_footers(files: tuple[str, ...], max_row_group_bytes: int) -> None:
+    # pyarrow and datasets only when rows are read: the workers import this module (through tokenize)
     import pyarrow.parquet as pq
 
     for f in files:
@@ -120,7 +122,7 @@ def load_rows(source: Source, *, cache_dir: Path, max_row_bytes: int, max_row_gr
               max_rows: int = 0):
     """(rows, raw): the source's rows as a Dataset; raw when they are JSON lines as the row reader gave
     them (`raw`/`status` columns), else typed columns."""
-    import datasets
+    import datasets  # see check_parquet_footers
 
     datasets.disable_progress_bars()
     try:
@@ -182,7 +184,7 @@ def read_rows(path: str, fmt: str = "auto", max_rows: int = 0, max_row_bytes: in
                 count += 1
         return
     if source.format == "parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # see check_parquet_footers
 
         check_parquet_footers(source.files, max_row_group_bytes)
         for file in source.files:
@@ -193,8 +195,6 @@ def read_rows(path: str, fmt: str = "auto", max_rows: int = 0, max_row_bytes: in
                     yield count, row
                     count += 1
         return
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="ftimage-rows-") as scratch:
         rows, _ = load_rows(source, cache_dir=cache_dir or Path(scratch), max_row_bytes=max_row_bytes,
                             max_row_group_bytes=max_row_group_bytes, max_rows=max_rows)

@@ -25,7 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from contracts import atomic
 from contracts.collate import IGNORE_INDEX
+from entrypoint.data.chat_mask import Unmaskable, render, special_texts
 from entrypoint.data.corpus import BadRows, Corpus
 from entrypoint.data.row_formats import BadRow, Chat, Plain, convert
 from entrypoint.data.rows import TooLarge, load_rows, parse_line, row_problem
@@ -84,8 +86,6 @@ class EncodeOptions:
 
 def _render(row: object, tokenizer, opts: EncodeOptions, eot: str):
     """(text, spans, reasoning_dropped) of one row, or BadRow."""
-    from entrypoint.data.chat_mask import Unmaskable, render, special_texts
-
     problem = row_problem(row)
     if problem:
         raise BadRow(problem)
@@ -242,8 +242,6 @@ def tokenize_source(source, tokenizer, cfg, cache_dir: Path, *, schema: str, eve
         done = json.loads(summary.read_text())
         if all(Path(f).is_file() for f in done["files"]):
             return done
-    from contracts import atomic
-
     staging = atomic.staging_dir(cache_dir, f"tokenized-{key}")
     try:
         done = _tokenize_into(staging, source, tokenizer, cfg, opts, key, events)
@@ -261,7 +259,7 @@ def _tokenize_into(staging: Path, source, tokenizer, cfg, opts: EncodeOptions, k
     """Dataset.map's Arrow files written into `staging`; {files (names), bad, n_rows, fingerprint, source}."""
     rows, raw = load_rows(source, cache_dir=staging.parent / "raw", max_row_bytes=cfg.max_row_bytes,
                           max_row_group_bytes=cfg.max_row_group_bytes, max_rows=cfg.max_rows)
-    import datasets
+    import datasets  # only when tokenizing (pyarrow too): the workers import this module (micro_batches)
 
     ints = datasets.Sequence(datasets.Value("int32"))
     features = datasets.Features({"row": datasets.Value("int64"), "input_ids": ints, "labels": ints,
@@ -271,7 +269,7 @@ def _tokenize_into(staging: Path, source, tokenizer, cfg, opts: EncodeOptions, k
         events.emit("tokenize", f"{source.field}: {len(rows)} rows with {num_proc(cfg.num_proc)} process(es)",
                     step=Path(source.path).name)
     if len(rows) == 0:   # map writes nothing for no rows: an empty corpus file, so the verdict is one clear error
-        import pyarrow as pa
+        import pyarrow as pa  # as datasets above
 
         with pa.OSFile(str(staging / "tokens.arrow"), "wb") as sink, pa.ipc.new_stream(sink, features.arrow_schema):
             pass

@@ -73,7 +73,7 @@ def count_params(model_dir: Path) -> int | None:
 
 
 def gpu_memory() -> int | None:
-    try:
+    try:   # torch only when a GPU is measured: the launcher plans the mesh (preflight) before it needs torch
         import torch
 
         return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from families import DEFAULT_FAMILY, load_family
@@ -71,8 +72,6 @@ def build_mesh(device_type: str, world: int, dp_replicate: int = 1):
     """Flat FSDP over every rank, or HSDP: `dp_replicate` replicas (across nodes, say), each sharding
     the model over world / dp_replicate ranks (within a node). The launcher has refused a
     dp_replicate that does not divide the world size."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     if dp_replicate <= 1:
         return init_device_mesh(device_type, (world,), mesh_dim_names=("dp_shard",))
     return init_device_mesh(device_type, (dp_replicate, world // dp_replicate),

@@ -10,6 +10,7 @@ them, with no 30-second kill deadline of its own.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -24,14 +25,13 @@ __all__ = ["LAUNCHER_PID_ENV", "main", "run"]
 def quiet_torchrun() -> None:
     """torchrun's own log lines ("Sending process N closing signal", "failed (exitcode: 143)") repeat
     what the workers and this agent already say in one line each; keep them for real crashes only."""
-    import logging
-
     for name in ("torch.distributed.elastic", "torch.distributed.elastic.multiprocessing.api",
                  "torch.distributed.elastic.agent.server.api", "torch.distributed.run"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def run(output_dir: str, torchrun_args: list[str]) -> int:
+    # torch after main() has armed die_with_parent: the agent dies with the launcher while torch loads
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args

@@ -12,7 +12,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from contracts.finetune_config import FinetuneConfig
+from contracts.finetune_config import FinetuneConfig, build_config
+from contracts.folder_guard import UnsafeFolder, real_dir
+from entrypoint.launcher.output_dir import resolve_output_dir
+from entrypoint.launcher.preflight import FinetuneError, Launch, check_writable, config_layers, lock_layer
+from entrypoint.launcher.run_plan import PackingDecision, RunPlan
+from entrypoint.launcher.torchrun import LaunchError, cache_env, resolve_topology, torchrun_argv, worker_env
+from entrypoint.observability.console import Console
 
 
 def checkpoint_path(cfg: FinetuneConfig, name: str) -> Path:
@@ -25,17 +31,12 @@ def checkpoint_path(cfg: FinetuneConfig, name: str) -> Path:
 
 def prepare_export(*, config_file: str | None, overrides: list[str], checkpoint: str, env: dict,
                    log: Callable[[str], None]):
-    from contracts.folder_guard import UnsafeFolder
+    # the checkpoint modules import numpy and torch: imported when an export is planned, not with this module
+    # (finetune_cli imports it for every finetune command; a config error exits without them)
     from entrypoint.checkpoint.dcp import CheckpointError, read_state
     from entrypoint.checkpoint.hf_safetensors import SourceCheckpointError, check_source
-    from entrypoint.launcher.output_dir import resolve_output_dir
-    from entrypoint.launcher.preflight import FinetuneError, Launch, check_writable, config_layers, lock_layer, real_dir
-    from entrypoint.launcher.run_plan import PackingDecision, RunPlan
-    from entrypoint.launcher.torchrun import LaunchError, cache_env, resolve_topology, torchrun_argv, worker_env
 
     defaults, lock = lock_layer(log)
-    from contracts.finetune_config import build_config
-
     cfg = build_config([layer for _, layer in config_layers(config_file, overrides, defaults)])
     try:
         cfg.output.dir = str(resolve_output_dir(cfg.output.dir))
@@ -61,6 +62,7 @@ def prepare_export(*, config_file: str | None, overrides: list[str], checkpoint:
 
 def run_export(plan, rank: int, world: int, device) -> dict:
     """Every rank: the checkpoint's weights into a sharded model, then the sharded HF export."""
+    # the ranks' side (torch, the checkpoint, the model): imported here, not with this module (see prepare_export)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -69,7 +71,6 @@ def run_export(plan, rank: int, world: int, device) -> dict:
     from entrypoint.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
     from entrypoint.distributed.parallelize import DTYPES, apply_fsdp, build_mesh
     from entrypoint.model import build_on_meta, load_tokenizer, rebuild_buffers, resolve_attention
-    from entrypoint.observability.console import Console
 
     cfg = plan.config
     con = Console(rank)
@@ -91,8 +92,6 @@ def run_export(plan, rank: int, world: int, device) -> dict:
     out = Path(cfg.output.dir) / "exports" / path.name
     started = time.perf_counter()
     if rank == 0:
-        from contracts.folder_guard import real_dir
-
         real_dir(out.parent)
     barrier = Checkpointer(path.parent, keep=1, rank=rank, world_size=world, device=device).barrier
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path, cfg.model.trust_remote_code)

@@ -12,15 +12,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from contracts.atomic import TMP_PREFIX
 from contracts.errors import FixableError
 from contracts.finetune_config import FinetuneConfig, build_config, parse_override, provenance, read_yaml, set_dotted
-from contracts.folder_guard import UnsafeFolder, real_dir
+from contracts.folder_guard import UnsafeFolder, is_real_dir, is_real_file, read_bytes_nofollow, real_dir
+from contracts.lock import LockError, load_lock, lock_path
+from entrypoint.checkpoint import resume as rs
+from entrypoint.data.sources import DataError
+from entrypoint.distributed.mesh import MeshError, mesh_plan
+from entrypoint.info import lock_summary_dict
+from entrypoint.inputs import InputError, check_remote_code
 from entrypoint.launcher.output_dir import ephemeral_warning, resolve_output_dir
 from entrypoint.launcher.run_plan import PackingDecision, RunPlan
 from entrypoint.launcher.torchrun import LaunchError, cache_env, resolve_topology, torchrun_argv, worker_env
 from entrypoint.launcher.verify_gate import GateOutcome, run_verify
+from entrypoint.observability import trackers
 from entrypoint.observability.console import ALLOW_FALLBACK_ENV
-from entrypoint.observability.tracker_check import process_env
+from entrypoint.observability.tracker_check import TrackerUnavailable, check, process_env
 
 EXIT_GATE = 3  # verify did not pass and --allow-fallback was not given
 
@@ -42,9 +50,6 @@ class Launch:
 def lock_layer(log: Callable[[str], None]) -> tuple[dict, dict | None]:
     """The image's finetune_defaults (lowest config layer) and a lock summary for the report.
     Outside an image there is no lock: defaults only, and we say so."""
-    from contracts.lock import LockError, load_lock, lock_path
-    from entrypoint.info import lock_summary_dict
-
     try:
         lock = load_lock()
     except LockError as exc:
@@ -102,8 +107,6 @@ def print_config(config_file: str | None, overrides: list[str], flags: list[str]
 
 def mesh_line(cfg: FinetuneConfig) -> str:
     """The mesh and per-GPU state for --print-config (the world size as the launch would resolve it)."""
-    from entrypoint.distributed.mesh import MeshError, mesh_plan
-
     try:
         world = resolve_topology(cfg, dict(os.environ))
         return mesh_plan(cfg, world.nnodes * world.nproc_per_node).render()
@@ -138,8 +141,6 @@ def check_writable(output_dir: str) -> None:
 def check_inputs(cfg: FinetuneConfig, log: Callable[[str], None]) -> None:
     """Everything about the job's inputs that can be refused before verify and before any rank:
     output.dir (resolved once, a boundary), the data's kind, the model folder, remote code."""
-    from entrypoint.inputs import InputError, check_remote_code
-
     try:
         cfg.output.dir = str(resolve_output_dir(cfg.output.dir))
     except UnsafeFolder as exc:
@@ -153,9 +154,9 @@ def check_inputs(cfg: FinetuneConfig, log: Callable[[str], None]) -> None:
     if not model.exists() and (model.is_absolute() or cfg.model.path.startswith(".")):
         raise FinetuneError(f"model.path {model} does not exist",
                             "mount the model directory into the container and set model.path to it")
+    # numpy (these two) and torch (dcp, model) are imported late: a config error exits without them
     from entrypoint.checkpoint.hf_safetensors import SourceCheckpointError, check_source
     from entrypoint.data.corpus_build import resolve_all
-    from entrypoint.data.sources import DataError
 
     try:
         resolve_all(cfg.data)   # every source's files, before verify and before any rank
@@ -168,30 +169,23 @@ def check_inputs(cfg: FinetuneConfig, log: Callable[[str], None]) -> None:
         raise FinetuneError.from_error(exc) from None
     except DataError as exc:
         raise FinetuneError.from_error(exc) from None
-    from entrypoint.observability.trackers import INSTALL, missing
-
-    for name in missing(cfg.output):
+    for name in trackers.missing(cfg.output):
         raise FinetuneError(f"output.report_to asks for {name}, but the {name} package is not installed in this "
-                            "image", f"add {INSTALL[name]} to the image's python.requirements and rebuild, or drop "
-                            f"{name} from output.report_to (metrics.jsonl is always written)")
+                            "image", f"add {trackers.INSTALL[name]} to the image's python.requirements and rebuild, "
+                            f"or drop {name} from output.report_to (metrics.jsonl is always written)")
     check_writable(cfg.output.dir)
 
 
 def check_trackers(cfg: FinetuneConfig, env: dict) -> None:
     """Each tracker in output.report_to can start, asked within tracker_check.TIMEOUT_S seconds."""
-    from entrypoint.observability.tracker_check import TrackerUnavailable, check
-    from entrypoint.observability.trackers import requested
-
     try:
-        check(requested(cfg.output), env)
+        check(trackers.requested(cfg.output), env)
     except TrackerUnavailable as exc:
         raise FinetuneError(str(exc), exc.fix) from None
 
 
 def check_mesh(cfg: FinetuneConfig, world: int) -> None:
     """parallel.dp_replicate must divide the world size, and the state per GPU must fit the GPU."""
-    from entrypoint.distributed.mesh import MeshError, mesh_plan
-
     try:
         mesh_plan(cfg, world, check_fit=True)
     except MeshError as exc:
@@ -201,8 +195,7 @@ def check_mesh(cfg: FinetuneConfig, world: int) -> None:
 def preflight_resume(cfg: FinetuneConfig, log: Callable[[str], None]) -> dict | None:
     """The checkpoint the workers will resume from (its trainer state), checked before verify and
     before any rank: a changed key from the resume table is refused here (exit 2)."""
-    from entrypoint.checkpoint import resume as rs
-    from entrypoint.checkpoint.dcp import CheckpointError, newest_valid
+    from entrypoint.checkpoint.dcp import CheckpointError, newest_valid  # imports torch: as in check_inputs
 
     try:
         found = newest_valid(Path(cfg.output.dir) / "checkpoints", cfg.checkpoint.resume)
@@ -221,7 +214,7 @@ def preflight_resume(cfg: FinetuneConfig, log: Callable[[str], None]) -> dict | 
 
 def warn_about(cfg: FinetuneConfig, corpus_path: Path, world: int, log: Callable[[str], None]) -> None:
     """What would make the run say one thing and do another, said before it starts."""
-    from entrypoint.data.corpus import read_corpus
+    from entrypoint.data.corpus import read_corpus  # numpy: as in check_inputs
     from entrypoint.data.sampler import PackedSampler
 
     t = cfg.train
@@ -309,9 +302,6 @@ def prepare(*, config_file: str | None, overrides: list[str], allow_fallback: bo
 def unpublished(cfg: FinetuneConfig, resumed: dict) -> list[str]:
     """What a run whose final checkpoint is saved has not published yet: a run is complete only
     with the final checkpoint, the HF export (checkpoint.export) and a run report that says so."""
-    from contracts.atomic import TMP_PREFIX
-    from contracts.folder_guard import is_real_dir, is_real_file, read_bytes_nofollow
-
     out, missing = Path(cfg.output.dir), []
     if cfg.checkpoint.export and not is_real_file(out / "final" / "config.json"):
         missing.append("final/ (the HF export) was never published")
@@ -329,8 +319,7 @@ def unpublished(cfg: FinetuneConfig, resumed: dict) -> list[str]:
 
 
 def check_fingerprint(cfg: FinetuneConfig, resumed: dict, corpus_path: Path) -> None:
-    from entrypoint.checkpoint import resume as rs
-    from entrypoint.data.corpus import read_corpus
+    from entrypoint.data.corpus import read_corpus  # numpy: as in check_inputs
 
     # a changed train.seed or data key was named (and allowed) by preflight_resume: the corpus it
     # changes is not refused a second time under its fingerprint
@@ -345,10 +334,9 @@ def check_fingerprint(cfg: FinetuneConfig, resumed: dict, corpus_path: Path) -> 
 def build_corpus(cfg: FinetuneConfig, log: Callable[[str], None], events=None):
     """Tokenize once, here, before any rank starts: no rank waits on another (and on the process
     group's timeout) while rank 0 tokenizes. The workers memory-map the result (corpus_build.py)."""
+    # numpy and torch: as in check_inputs; transformers loads here, inside the caller's process_env(caches)
     from entrypoint.data.corpus import read_corpus
     from entrypoint.data.corpus_build import build
-    from entrypoint.data.sources import DataError
-    from entrypoint.inputs import InputError
     from entrypoint.model import ModelError, load_tokenizer
 
     try:

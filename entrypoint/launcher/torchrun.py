@@ -25,6 +25,7 @@ from pathlib import Path
 
 from contracts.errors import FixableError
 from contracts.finetune_config import FinetuneConfig
+from verify.scratch import NoScratch, private_scratch
 
 
 class LaunchError(FixableError):
@@ -67,7 +68,7 @@ def free_port() -> int:
 
 
 def device_count() -> int:
-    import torch
+    import torch  # only to count GPUs: preflight imports this module before the config is checked
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -119,8 +120,6 @@ def cache_env(cfg: FinetuneConfig, env: dict) -> dict:
     finds in its cache, so a cache on a shared output volume would run whatever someone else
     put there. HOME and TMPDIR follow when they are unwritable (a non-root uid on a read-only
     root)."""
-    from verify.scratch import NoScratch, private_scratch
-
     try:
         base = private_scratch(env)
     except NoScratch as exc:

@@ -14,6 +14,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from verify.report import Report
+
 
 @dataclass(frozen=True, kw_only=True)
 class GateOutcome:
@@ -41,8 +43,6 @@ def run_verify(*, model: str | None = None, param_dtype: str = "bfloat16") -> Ga
     except OSError as exc:
         proc, problem = None, f"{type(exc).__name__}: {exc}"
     try:
-        from verify.report import Report
-
         report = Report.from_dict(json.loads(proc.stdout)) if proc else None
     except (ValueError, KeyError, TypeError) as exc:
         report, problem = None, f"it exited {proc.returncode} without a readable report ({type(exc).__name__}); " \

@@ -45,6 +45,7 @@ class Console:
 
     def summary(self, result: dict, report_path) -> None:
         """The run's last line: what it did, its totals, where the report is."""
+        # run_summary imports torch (flops): every command imports this module first (cli.py)
         from entrypoint.observability.run_summary import render
 
         if self.rank != 0:

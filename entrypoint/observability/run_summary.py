@@ -3,11 +3,14 @@ tokens trained, mean tokens/s, MFU, peak memory and the best eval loss (where on
 from __future__ import annotations
 
 import json
+import resource
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from contracts.events import format_seconds
+from contracts.folder_guard import is_real_file, read_bytes_nofollow
 from entrypoint.observability.flops import peak_memory_bytes
 
 
@@ -16,8 +19,6 @@ class AnonPeak:
     peak only for the whole RSS, which includes shared file pages)."""
 
     def __init__(self, interval: float = 0.05):
-        import threading
-
         self.peak = self.now()
         self._interval = interval
         threading.Thread(target=self._run, daemon=True, name="anon-peak").start()
@@ -57,8 +58,6 @@ class RunTotals:
         """This rank's peaks so far, at the end of `phase` (load, steps, export): its private
         (anonymous) memory, sampled, and its RSS (ru_maxrss), which also counts the shared,
         file-backed pages of memory-mapped safetensors and corpora."""
-        import resource
-
         if self.anon is None:
             self.anon = AnonPeak()
         self.host_peaks[phase] = {"anon": round(self.anon.peak / 2 ** 30, 3),
@@ -110,8 +109,6 @@ def render(summary: dict) -> str:
 
 def logged_loss(path: Path, step: int) -> float:
     """The training loss metrics.jsonl logged at `step` (NaN when it holds none)."""
-    from contracts.folder_guard import is_real_file, read_bytes_nofollow
-
     loss = float("nan")
     if is_real_file(path):
         for line in read_bytes_nofollow(path).decode("utf-8", "replace").splitlines():

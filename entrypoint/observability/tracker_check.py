@@ -170,6 +170,7 @@ def check_mlflow(env: dict, timeout: float = TIMEOUT_S) -> None:
     settings = {k: v for k, v in env.items() if k.startswith(("MLFLOW_", "DATABRICKS_"))}
     settings.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=str(max(1, int(timeout))))
     with process_env(settings):
+        # mlflow is optional (not in every image): imported only when output.report_to asks for it
         from mlflow.tracking import MlflowClient  # imported first: its import is not the server's time
 
         def probe(left) -> str | None:

@@ -21,7 +21,12 @@ import importlib.util
 import json
 import os
 import threading
+import time
 from pathlib import Path
+
+from contracts import atomic
+from contracts.folder_guard import is_real_file, open_append_nofollow, read_bytes_nofollow
+from entrypoint.observability.console import Console
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 INSTALL = {"tensorboard": "tensorboard==2.21.0", "wandb": "wandb", "mlflow": "mlflow-skinny"}
@@ -45,6 +50,7 @@ def scalars(record: dict) -> dict[str, float]:
 
 class _TensorBoard:
     def __init__(self, out: Path, run_name: str, config: dict):
+        # each tracker's package is optional (not in every image): imported when that tracker starts
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
@@ -63,7 +69,7 @@ class _Wandb:
         if not os.environ.get("WANDB_MODE") and not os.environ.get("WANDB_API_KEY"):
             os.environ["WANDB_MODE"] = "offline"
         os.environ.setdefault("WANDB_SILENT", "true")
-        import wandb
+        import wandb  # optional, as for tensorboard
 
         (out / "wandb").mkdir(exist_ok=True)
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "ftimage"), name=run_name, dir=str(out),
@@ -83,7 +89,7 @@ class _Mlflow:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")   # the local store works offline
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")     # mlflow's default retries for ~5 min
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        from mlflow.entities import Metric, Param
+        from mlflow.entities import Metric, Param  # optional, as for tensorboard
         from mlflow.tracking import MlflowClient
 
         # the client API, by run id: mlflow's "active run" is per thread, and close() runs in one
@@ -95,8 +101,6 @@ class _Mlflow:
         self.client.log_batch(self.run_id, params=[Param(k, str(v)[:500]) for k, v in config.items()])
 
     def log(self, values: dict[str, float], step: int) -> None:
-        import time
-
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[self.metric(k, v, now, step) for k, v in values.items()])
 
@@ -120,9 +124,6 @@ def flat_config(tree: dict, prefix: str = "") -> dict:
 def drop_records_after(path: Path, step: int) -> int:
     """Keep metrics.jsonl's records up to `step` (a resumed run logs the later ones again).
     Returns how many were dropped. Rewritten atomically; a symlink is never followed."""
-    from contracts import atomic
-    from contracts.folder_guard import is_real_file, read_bytes_nofollow
-
     if not is_real_file(path):
         return 0
     kept, dropped = [], 0
@@ -141,8 +142,6 @@ def drop_records_after(path: Path, step: int) -> int:
 
 
 def _warn(message: str) -> None:
-    from entrypoint.observability.console import Console
-
     Console(0).warn(message)
 
 
@@ -178,8 +177,6 @@ class Metrics:
     def write(self, record: dict, kind: str = "train") -> None:
         if not self.enabled:
             return
-        from contracts.folder_guard import open_append_nofollow
-
         with open_append_nofollow(self.path) as fh:
             fh.write(json.dumps(record) + "\n")
             fh.flush()
