@@ -9,12 +9,14 @@ the classic builder's Dockerfile. Kernel builder images install their build clos
 """
 from __future__ import annotations
 
+import email.parser
 import json
 import os
 import re
 import shutil
 import stat
 import sys
+import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -217,9 +219,6 @@ def metadata_version(wheel: Path) -> str | None:
     """The version the wheel installs (its METADATA), which is what importlib.metadata reports in
     the image and what verify compares with. It is not always torch.__version__: PyTorch's CUDA
     wheel installs metadata version 2.14.1 while torch.__version__ says 2.14.1+cu130."""
-    import email.parser
-    import zipfile
-
     try:
         with zipfile.ZipFile(wheel) as zf:
             names = [n for n in zf.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")]

@@ -21,11 +21,14 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from build.errors import BuildFailure
+from build.oci.image import read_layout
 from build.publish.reference import PushTarget
+from build.publish.registry import LayoutPushClient, Registry
 from build.spec import REPO_ROOT
 from contracts import folder_guard
 from contracts.schema import InvalidInput, Problem
@@ -100,8 +103,6 @@ def compare(a: BuildResult, b: BuildResult) -> Comparison:
 
 
 def layer_blob(layout: Path, index: int) -> Path:
-    from build.oci.image import read_layout
-
     return read_layout(layout)[2][index]
 
 
@@ -201,8 +202,6 @@ def _build(clone: Path, image_rel: str, work: Path, label: str, *, umask: int, t
     env = {k: v for k, v in os.environ.items() if k not in ("SOURCE_DATE_EPOCH", "FTIMAGE_CACHE")}
     env["TZ"] = tz
     print(f"verify-reproducible: build {label} ({conditions}) in {clone}", file=log_to, flush=True)
-    import time
-
     started = time.monotonic()
     done = subprocess.run(argv, cwd=clone, env=env, stdout=subprocess.PIPE, stderr=log_to, text=True)
     if done.returncode != 0:
@@ -218,8 +217,6 @@ def _build(clone: Path, image_rel: str, work: Path, label: str, *, umask: int, t
 
 
 def _push(result: BuildResult, target: PushTarget) -> None:
-    from build.publish.registry import LayoutPushClient, Registry
-
     client = LayoutPushClient(Path(result.layout), Registry(target.registry), target.path)
     for item in client.push(target.repository, f"repro-{result.label.lower()}"):
         if "error" in item:

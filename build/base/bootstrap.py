@@ -16,6 +16,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock
+
 from build import proc
 from build.base import debs_lock
 from build.base.rootfs import base_epoch, normalise, write_tarball
@@ -62,8 +64,6 @@ def ensure_base(ref: BaseRef, engine: Engine, cache: CacheLayout, log: EventLog)
 def bootstrap(base: BootstrapBase, engine: Engine, cache: CacheLayout, log: EventLog) -> BaseImage:
     """The base's image, bootstrapped unless the engine holds it. Two builds on one host that need
     the same base at once bootstrap it once: the second waits on a lock and then reuses it."""
-    from filelock import FileLock
-
     spec_sha = digest(base.spec_dict())
     cache.root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(cache.root / f".base-{spec_sha[:16]}.lock")):

@@ -144,7 +144,7 @@ def deb_path(cache: CacheLayout, deb: LockedDeb) -> Path:
 
 
 def fetch(url: str, dest: Path, *, max_bytes: int) -> None:
-    import requests
+    import requests  # comes with the docker SDK: `--plan` and `kernels build-here` load this module without it
 
     try:
         with requests.get(url, stream=True, timeout=60) as answer:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from build import proc
 from build.errors import BuildFailure
+from build.source_date import parse_epoch
 
 REMOVED = ("etc/hostname", "etc/resolv.conf", "etc/machine-id", "var/lib/dbus/machine-id",
            "var/cache/ldconfig/aux-cache")
@@ -46,8 +47,6 @@ def base_epoch(rootfs: Path) -> int:
     epoch = release_epoch(rootfs)
     env = os.environ.get("SOURCE_DATE_EPOCH")
     if env is not None:
-        from build.source_date import parse_epoch
-
         epoch = min(epoch, parse_epoch(env))
     return epoch
 

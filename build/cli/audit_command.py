@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from build.audit.foreign_image import AuditRefused, audit_image, parse_gpus, validate_reference
+from build.engine import connect
 from build.errors import BuildFailure
 
 EXIT_FAIL = 2   # verify's "fail": nothing proven
@@ -31,9 +33,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    from build.audit.foreign_image import AuditRefused, audit_image, parse_gpus, validate_reference
-    from build.engine import connect
-
     try:
         validate_reference(args.image)     # hostile input: checked before the engine is reached
         gpus = parse_gpus(args.gpus)

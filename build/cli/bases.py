@@ -6,8 +6,13 @@ import argparse
 import json
 from pathlib import Path
 
+from build.base import debs_lock
+from build.base.bootstrap import bootstrap
 from build.cli.common import EXIT_OK, add_common_options, open_cache
+from build.engine import connect
+from build.spec import REPO_ROOT, SpecErrors, load_bootstrap_base
 from contracts.events import EventLog
+from contracts.schema import Problems
 
 
 def main(argv: list[str]) -> int:
@@ -23,10 +28,6 @@ def main(argv: list[str]) -> int:
     for sp in (update, export, imp):
         add_common_options(sp)
     args = p.parse_args(argv)
-    from build.base import debs_lock
-    from build.spec import REPO_ROOT, SpecErrors, load_bootstrap_base
-    from contracts.schema import Problems
-
     log = EventLog(json_lines=args.json_logs)
     if args.command == "update":
         problems = Problems()
@@ -64,11 +65,6 @@ def bootstrap_base(argv: list[str]) -> int:
     p.add_argument("base_dir", type=Path, help="e.g. images/_bases/debian-bookworm")
     add_common_options(p)
     args = p.parse_args(argv)
-    from build.base.bootstrap import bootstrap
-    from build.engine import connect
-    from build.spec import SpecErrors, load_bootstrap_base
-    from contracts.schema import Problems
-
     problems = Problems()
     base = load_bootstrap_base(args.base_dir, problems)
     problems.raise_if_any(SpecErrors)

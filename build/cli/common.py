@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from build.cache import CACHE_LAYOUT, CacheLayout, default_cache_root
+from build.remote_cache import RemoteCache
 from contracts import folder_guard
 from contracts.events import EventLog
 
@@ -81,8 +82,6 @@ def open_remote(options, log: EventLog):
     """The remote cache for these options (None without --cache-registry), its plan logged."""
     if options is None:
         return None
-    from build.remote_cache import RemoteCache
-
     log.emit("cache", f"remote cache {options.describe()}")
     if options.trust_unsigned:
         log.emit("cache", "WARNING: --trust-unsigned-cache: remote cache entries are used WITHOUT a verified "

@@ -5,11 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from build.cli.common import EXIT_OK, EXIT_REFUSED, add_common_options, open_cache, open_remote
+from build.engine import connect
 from build.errors import BuildFailure, SigningError
+from build.kernels import check_wheel_in_image, portable
+from build.kernels.build_here import build_here
+from build.kernels.pinned_sources import fetch_pinned
+from build.kernels.store import KernelStore
 from build.remote_cache.options import add_options as add_remote_options
+from build.remote_cache.options import options_from_args
+from build.resolve import load_plan
+from build.resolve.this_host import host_arch
+from build.spec import MANIFEST_PATH, load_manifest
 from contracts import folder_guard
 from contracts.events import EventLog
 
@@ -61,13 +71,7 @@ def main(argv: list[str]) -> int:
         return _check(args, log)
     if args.action == "build-here":
         return _build_here(args, log)
-    from build.kernels.store import KernelStore
-
     if args.action == "fetch":
-        from build.kernels.pinned_sources import fetch_pinned
-        from build.resolve import load_plan
-        from build.spec import MANIFEST_PATH
-
         plan = load_plan(args.image_dir, args.manifest or MANIFEST_PATH)
         cache = open_cache(args.cache, force=args.force)
         for kernel in plan.kernels:
@@ -84,8 +88,7 @@ def main(argv: list[str]) -> int:
             print(f"{state.key[:16]}  {m['kernel']} {m['version']}  {m['wheel']}  archs={','.join(m['archs']['sass'])}"
                   f"  compiled in {m.get('duration_s', '?')}s")
         return EXIT_OK
-    from build import signing
-    from build.kernels import portable
+    from build import signing  # only for export/import: a bare GPU host has no cryptography
 
     if args.action == "export":
         key = signing.load_private_key(args.sign) if args.sign else None
@@ -107,10 +110,6 @@ def main(argv: list[str]) -> int:
 
 
 def _check(args, log: EventLog) -> int:
-    from build.engine import connect
-    from build.kernels import check_wheel_in_image
-    from build.spec import MANIFEST_PATH, load_manifest
-
     manifest = load_manifest(args.manifest or MANIFEST_PATH)
     kernel = manifest.kernels.get(args.kernel)
     if kernel is None:
@@ -123,24 +122,16 @@ def _check(args, log: EventLog) -> int:
 
 
 def _build_here(args, log: EventLog) -> int:
-    from build.kernels.build_here import build_here
-    from build.remote_cache.options import options_from_args
-    from build.spec import MANIFEST_PATH
-
     remote_options = options_from_args(args)   # a bad --cache-registry: exit 2, before any work
     if args.sign and remote_options is None:
         raise SigningError("--sign signs the kernel entries pushed to the remote cache, and there is no "
                            "--cache-registry", "add --cache-registry REGISTRY/REPO, or drop --sign")
     if args.sign:
-        from dataclasses import replace
-
         from build import signing  # only with --sign: a bare GPU host has no cryptography
 
         remote_options = replace(remote_options, sign_key=signing.load_private_key(args.sign))
     archs = tuple(args.arch)
     if not archs:
-        from build.resolve.this_host import host_arch
-
         archs = tuple(a for a in [host_arch()] if a)
     if not archs:
         raise BuildFailure("no GPU here to build for", "pass --arch sm_90 (or the arch you will run on)")

@@ -13,10 +13,17 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from build.base.bootstrap import SPEC_LABEL, base_tag
 from build.cache import CacheLayout
 from build.errors import BuildFailure
+from build.kernels.store import KernelStore
+from build.oci.baselayer import TrainingUser, base_keys
+from build.oci.image import tree_layer_key
 from build.oci.layercache import LayerCache
-from build.resolve import BuildPlan
+from build.resolve import BuildPlan, digest
+from build.source_date import source_date_epoch
+from build.wheelhouse import cached_resolution
+from contracts.table import render_table
 
 LOCK_WAITS = ("unknown until the build writes the lock: its key is the bytes of build.lock.json and the SBOM, "
               "which record the bases' image IDs and packages and every wheel's and kernel's hash")
@@ -25,7 +32,7 @@ LOCK_WAITS = ("unknown until the build writes the lock: its key is the bytes of 
 def engine_for_plan():
     """(the engine, "") when one answers, else (None, why not): `--plan` works without one."""
     try:
-        from build.engine.docker_engine import DockerEngine
+        from build.engine.docker_engine import DockerEngine  # the docker SDK: optional for --plan
 
         return DockerEngine.connect(timeout=10), ""
     except ImportError:
@@ -54,8 +61,6 @@ def layer_rows(plan: BuildPlan, cache: CacheLayout, *, engine, engine_problem: s
     if diff_ids is None:
         rows.append(row("base", None, why))
     else:
-        from build.oci.baselayer import TrainingUser, base_keys
-
         user = plan.spec.user
         keys = base_keys(diff_ids, TrainingUser(user.name, user.uid, plan.spec.gid))
         rows += [row(f"base {i + 1}/{len(keys)}", key) for i, key in enumerate(keys)]
@@ -70,9 +75,6 @@ def layer_rows(plan: BuildPlan, cache: CacheLayout, *, engine, engine_problem: s
 def _runtime_base(plan: BuildPlan, engine, problem: str) -> tuple[list[str] | None, str]:
     """The runtime base's diffIDs as the engine holds it (the image a build would use), or why
     they are unknown."""
-    from build.base.bootstrap import SPEC_LABEL, base_tag
-    from build.resolve import digest
-
     ref = plan.spec.runtime_base
     if ref.bootstrap:
         wanted, waits = base_tag(ref.bootstrap), "unknown until the runtime base is bootstrapped"
@@ -96,10 +98,10 @@ def _runtime_base(plan: BuildPlan, engine, problem: str) -> tuple[list[str] | No
 def _venv(plan: BuildPlan, cache: CacheLayout, base: list, why_base: str) -> tuple[str | None, str]:
     """The venv layer's key, or what it waits on: the edited base layers' diffIDs (so those
     layers, in the local cache), the recorded wheelhouse resolution, and every kernel's wheel."""
+    # the context renderer (cyclonedx, the SBOM library) and the venv assembler (installer) load
+    # only here: `kernels build-here` imports this module on a GPU host that has neither
     from build.context.render import APP_DIR, VENV
-    from build.kernels.store import KernelStore
     from build.oci.venv import LockedWheel, capped, venv_key, wheels_epoch
-    from build.wheelhouse import cached_resolution
 
     if not base:
         return None, why_base + "; the venv's key holds the base layers' diffIDs"
@@ -130,10 +132,9 @@ def _venv(plan: BuildPlan, cache: CacheLayout, base: list, why_base: str) -> tup
 def _app_key() -> str:
     """The app layer's key: the project's runtime packages as a build stages them, the gate, and
     SOURCE_DATE_EPOCH (HEAD's commit time when unset)."""
+    # as in _venv: the renderer and the runtime image's assembler need cyclonedx and installer
     from build.context.render import APP_DIR, gate_script, stage_app
-    from build.oci.image import tree_layer_key
     from build.oci.runtime_image import app_extra
-    from build.source_date import source_date_epoch
 
     with tempfile.TemporaryDirectory(prefix="ftimage-plan-") as scratch:
         app = Path(scratch) / "app"
@@ -143,7 +144,5 @@ def _app_key() -> str:
 
 
 def render_rows(rows: list[dict[str, str | None]]) -> str:
-    from contracts.table import render_table
-
     return render_table([[r["layer"], (r["key"] or "-")[:16], r["detail"]] for r in rows],
                         ["LAYER", "KEY", "CACHE"], wrap={2: 90})

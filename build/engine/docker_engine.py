@@ -6,8 +6,10 @@ Dockerfiles use no `RUN --mount` and every RUN step runs with networking disable
 """
 from __future__ import annotations
 
+import io
 import re
 import shutil
+import tarfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -231,9 +233,6 @@ class DockerEngine:
         return removed
 
     def read_file(self, image: str, path: str, *, limit: int) -> bytes | None:
-        import io
-        import tarfile
-
         # a created container is never started: nothing in the image runs
         container = self._call("create", lambda: self.client.containers.create(image, ["/nonexistent"],
                                                                                network_mode="none"))

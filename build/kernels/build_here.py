@@ -14,6 +14,7 @@ here never stands in for an image's.
 """
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 import os
 import shutil
@@ -261,8 +262,6 @@ def build_here(image_dir: Path, *, manifest_path: Path, cache: CacheLayout, out:
 def host_lock(plan: BuildPlan, kernel_wheels: tuple[KernelWheel, ...], build: dict[str, str] | None = None):
     """The lock for this machine: the kernels built here, and the torch and transformers it has.
     `build`: what the lock records of how they were made (BuildLock.build)."""
-    import importlib.metadata as md
-
     packages = []
     for name in ("torch", "transformers"):
         try:

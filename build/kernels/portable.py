@@ -163,7 +163,7 @@ def manifest_for(entries: list[ProvenEntry]) -> bytes:
 def export(store: KernelStore, destination: Path, *, sign_key=None) -> tuple[list[str], list[tuple[str, str]]]:
     """Copy every cache entry that proves itself to `destination`, with the manifest (and its
     signature). Returns (exported keys, skipped entries with why)."""
-    from build import signing
+    from build import signing  # cryptography: `kernels build-here` loads this module on a GPU host without it
 
     destination.mkdir(parents=True, exist_ok=True)
     written: list[ProvenEntry] = []
@@ -198,7 +198,7 @@ def export(store: KernelStore, destination: Path, *, sign_key=None) -> tuple[lis
 def read_manifest(source: Path, *, public_key, trust_unsigned: bool, log) -> dict | None:
     """The export's manifest entries once its signature verified (or None with --trust-unsigned
     and no manifest). ImportRefused otherwise."""
-    from build import signing
+    from build import signing  # as in export(): only when a manifest's signature is read
 
     manifest_path, sig_path = source / MANIFEST, source / SIGNATURE
     try:

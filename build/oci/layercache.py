@@ -21,7 +21,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from build.oci.tarlayer import LayerBlob
+from build.cache import _alive
+from build.oci.tarlayer import GZIP_LEVEL, LayerBlob
+from contracts import atomic
 
 # Bump when the way layers are written changes, so old entries are not reused. 2: gzip in
 # independent 1 MiB pieces (blockgzip), so a layer's blob bytes differ from format 1's.
@@ -50,8 +52,6 @@ class CachedLayer:
 
 
 def layer_key(name: str, inputs: dict) -> str:
-    from build.oci.tarlayer import GZIP_LEVEL
-
     document = {"format": LAYER_FORMAT, "gzip": GZIP_LEVEL, "layer": name, "inputs": inputs}
     return hashlib.sha256(json.dumps(document, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
@@ -151,8 +151,6 @@ class LayerCache:
 
     def record_use(self, image: str, keys: list[str]) -> None:
         """Remember which entries the newest build of `image` uses (see prune_unused)."""
-        from contracts import atomic
-
         atomic.write_text(self.root / "used-by" / f"{image}.json", json.dumps(sorted(keys)) + "\n")
 
     def prune_unused(self) -> list[str]:
@@ -183,8 +181,6 @@ class LayerCache:
 
     def sweep(self) -> list[str]:
         """Scratch folders of builds that were killed (their process is gone)."""
-        from build.cache import _alive
-
         swept = []
         for path in self.root.glob(".tmp-layer-*") if self.root.is_dir() else []:
             pid = path.name.split("-")[3]

@@ -31,11 +31,13 @@ from installer.records import RecordEntry
 from installer.sources import WheelFile
 
 import guard
+from build.cache import sha256_file
 from build.context.drop_installed_files import drop
 from build.errors import BuildFailure
 from build.oci import depcheck
 from build.oci.layercache import CachedLayer, LayerCache, layer_key
 from build.oci.tarlayer import parents, tree_entries, write_layer
+from build.source_date import parse_epoch
 from contracts.events import EventLog, Progress
 
 DROPPED_FILES = ("*.a",)
@@ -76,8 +78,6 @@ def capped(epoch: int) -> int:
     env = os.environ.get("SOURCE_DATE_EPOCH")
     if env is None:
         return epoch
-    from build.source_date import parse_epoch
-
     return min(epoch, parse_epoch(env))
 
 
@@ -134,8 +134,6 @@ def _install(stage: Path, wheels: list[LockedWheel], venv: str, python_minor: st
     (stage / f"bin/python{python_minor}").symlink_to("python3")
     progress = Progress(log, "venv", "install", min_interval=5.0)
     for done, wheel in enumerate(sorted(wheels, key=lambda w: w.filename)):
-        from build.cache import sha256_file
-
         if sha256_file(wheel.path) != wheel.sha256:
             raise BuildFailure(f"{wheel.filename} in the cache does not match the lock's sha256 {wheel.sha256[:16]}",
                                "delete the cache entry (or run with a fresh --cache); it is downloaded again")

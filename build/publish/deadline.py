@@ -14,7 +14,9 @@ sees it dropped and opens a new one).
 from __future__ import annotations
 
 import functools
+import http.client
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -110,9 +112,8 @@ def network_errors() -> tuple[type[BaseException], ...]:
     """What a request or a streamed body raises when the connection fails, stalls or is cut:
     requests' errors, and urllib3's and http.client's own, which reach a reader of `answer.raw`
     unwrapped."""
-    import http.client
-    import ssl
-
+    # requests and urllib3 come with the docker SDK, which `--plan` and a bare GPU host
+    # (`kernels build-here`) run without; both load this module
     import requests
     import urllib3
 
@@ -122,6 +123,7 @@ def network_errors() -> tuple[type[BaseException], ...]:
 
 @functools.cache
 def _adapter_class():
+    # as in network_errors(): requests and urllib3 load only when a registry is spoken to
     from requests.adapters import HTTPAdapter
     from urllib3.connection import HTTPConnection, HTTPSConnection
     from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool

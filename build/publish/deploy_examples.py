@@ -17,12 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
 
 from build.build_report import REPORT_NAME, PushRecord
 from build.errors import BuildFailure
 from build.publish.reference import DIGEST, reference_problems
 from build.resolve import BuildPlan
 from build.spec import REPO_ROOT
+from contracts.finetune_config import build_config, set_dotted
 from contracts.schema import InvalidInput, Problem
 
 DEPLOY_DIR = REPO_ROOT / "deploy"
@@ -107,9 +110,6 @@ def example_values(plan: BuildPlan, record: PushRecord) -> ExampleValues:
 
 def locks_trl(plan: BuildPlan) -> bool:
     """Whether the image's python.requirements name trl (the image has no pip to add it later)."""
-    from packaging.requirements import InvalidRequirement, Requirement
-    from packaging.utils import canonicalize_name
-
     names = set()
     for line in plan.spec.python.requirements:
         try:
@@ -121,8 +121,6 @@ def locks_trl(plan: BuildPlan) -> bool:
 
 def stop_grace_seconds(plan: BuildPlan) -> int:
     """The image's launch.stop_grace_seconds (validated with its finetune defaults at build time)."""
-    from contracts.finetune_config import build_config, set_dotted
-
     layer: dict = {}
     for key, value in (plan.spec.finetune_defaults or {}).items():
         if isinstance(value, dict):

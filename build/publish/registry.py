@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import base64
+import ipaddress
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -64,6 +65,7 @@ class Registry:
     def __init__(self, registry: str, session=None, *, plain_http: bool = False, timeout: float = TIMEOUT):
         """`plain_http`: also speak HTTP off loopback (a registry the engine lists as insecure).
         `timeout`: seconds each operation may take, wall clock, from connecting to the last byte."""
+        # requests and the docker SDK load on use: `--plan` and `kernels build-here` run without them
         import requests
 
         self.registry = registry
@@ -99,7 +101,7 @@ class Registry:
     # ---- auth ---------------------------------------------------------------------------------
 
     def _credentials(self) -> tuple[str, str] | None:
-        from docker import auth
+        from docker import auth  # the docker SDK only for a login (see __init__)
         from docker.errors import DockerException
 
         try:
@@ -142,7 +144,7 @@ class Registry:
         self._token = "Bearer " + token
 
     def _send(self, method: str, url: str, *, authorize: bool = True, **kw):
-        import requests
+        import requests  # see __init__
 
         headers = dict(kw.pop("headers", {}))
         if authorize and self._token:
@@ -270,10 +272,8 @@ def _bounded(answer, what: str) -> bytes:
 def engine_allows_plain_http(registry: str) -> bool:
     """Whether the local engine is configured to reach `registry` over plain HTTP (dockerd's
     `insecure-registries`): a push from the layout follows the same setting `docker push` would."""
-    import ipaddress
-
     try:
-        from build.engine.docker_engine import DockerEngine
+        from build.engine.docker_engine import DockerEngine  # the docker SDK (see Registry.__init__)
 
         config = DockerEngine.connect(timeout=10).client.info().get("RegistryConfig") or {}
     except (BuildFailure, OSError, ValueError):
@@ -351,7 +351,7 @@ class EnginePushClient:
 
     @classmethod
     def connect(cls) -> EnginePushClient:
-        from build.engine.docker_engine import DockerEngine
+        from build.engine.docker_engine import DockerEngine  # the docker SDK (see Registry.__init__)
 
         return cls(DockerEngine.connect().client.api)
 
@@ -360,7 +360,7 @@ class EnginePushClient:
             self.api.tag(image, repository, tag, force=True)
 
     def push(self, repository: str, tag: str) -> Iterator[dict[str, Any]]:
-        import docker.errors
+        import docker.errors  # the docker SDK (see Registry.__init__)
 
         with engine_errors("push"):
             try:
@@ -373,7 +373,7 @@ class EnginePushClient:
             return list(self.api.inspect_image(image).get("RepoDigests") or [])
 
     def untag(self, reference: str) -> None:
-        import docker.errors
+        import docker.errors  # the docker SDK (see Registry.__init__)
 
         try:
             self.api.remove_image(reference)
@@ -384,7 +384,7 @@ class EnginePushClient:
 @contextmanager
 def engine_errors(what: str) -> Iterator[None]:
     """dockerd refusing a call, or lost mid-push, is a failure with the engine's words (exit 1)."""
-    import docker.errors
+    import docker.errors  # the docker SDK and requests (see Registry.__init__)
     import requests.exceptions
 
     try:
@@ -393,7 +393,7 @@ def engine_errors(what: str) -> Iterator[None]:
         raise BuildFailure(f"docker {what} failed: {exc.explanation or exc}",
                            "build the image again (something removed it?) and read the dockerd log") from None
     except requests.exceptions.RequestException as exc:
-        from build.engine.docker_engine import ENGINE_FIX
+        from build.engine.docker_engine import ENGINE_FIX  # the docker SDK (see Registry.__init__)
 
         raise BuildFailure(f"lost the Docker engine during {what}: {str(exc).split('(Caused by')[0]}",
                            ENGINE_FIX) from None

@@ -63,7 +63,7 @@ class RemoteCache:
         self.pending = _Pending()
         self.signed_by = ""
         if options.public_key is not None:
-            from build import signing
+            from build import signing  # cryptography only with a key: a bare GPU host (build-here) has none
 
             self.signed_by = signing.key_id(options.public_key)
 
@@ -220,7 +220,7 @@ class RemoteCache:
                     self.client.push_file(self.path, source, descriptor.digest, descriptor.size, mount_from)
             digest = sha256_digest(manifest)
             if self.options.sign_key is not None:   # first, so the tag never names an unsigned entry
-                from build.remote_cache.trust import sign_entry
+                from build.remote_cache.trust import sign_entry  # signing code only when it is used
 
                 sign_entry(self.client, self.path, self.options.repository, digest, self.options.sign_key)
             self.client.put_manifest(self.path, tag, manifest)
@@ -240,7 +240,7 @@ class RemoteCache:
         try:
             layers = parse_manifest(data, artifact, limits)
             if self.options.sign_key is not None:
-                from build.remote_cache.trust import verify_entry
+                from build.remote_cache.trust import verify_entry  # signing code only when it is used
 
                 verify_entry(self.client, self.path, self.options.repository, sha256_digest(data),
                              self.options.sign_key.public_key())

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from build.publish.reference import reference_problems
 from contracts.schema import InvalidInput, Problem
 
 ENV = "FTIMAGE_CACHE_REGISTRY"
@@ -60,7 +61,7 @@ class RemoteCacheOptions:
 
     def describe(self) -> str:
         """One line for `--plan` and the log: what this build does with the registry."""
-        from build import signing
+        from build import signing  # cryptography: the build CLI loads this module on hosts without it
 
         if self.public_key is not None:
             read = f"read (entries signed by {signing.key_id(self.public_key)[:23]}... only)"
@@ -98,8 +99,6 @@ def add_options(p: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace, *, sign_key=None) -> RemoteCacheOptions | None:
     """The remote cache this command uses, or None; CacheOptionErrors (exit 2) for a bad one.
     `sign_key`: the already loaded `--sign` key, if any."""
-    from build.publish.reference import reference_problems
-
     value = args.cache_registry if args.cache_registry is not None else os.environ.get(ENV) or None
     problems: list[Problem] = []
     timeout = args.cache_timeout
@@ -118,7 +117,7 @@ def options_from_args(args: argparse.Namespace, *, sign_key=None) -> RemoteCache
     problems += reference_problems(value, file=source)
     if problems:
         raise CacheOptionErrors(problems)
-    from build import signing
+    from build import signing  # as in describe(): only once a remote cache is named
 
     public = signing.load_public_key(args.cache_key) if args.cache_key is not None else None
     registry, _, path = value.partition("/")

@@ -4,7 +4,9 @@ Each rule records problems and never raises, so one run reports every problem.
 """
 from __future__ import annotations
 
+from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from build.resolve import compat
@@ -62,9 +64,6 @@ def archs(problems: Problems, spec_file: str, spec: ImageSpec, tc: Toolchain) ->
 def runtime_constraints(problems: Problems, spec_file: str, spec: ImageSpec, kernels: list[Kernel],
                         requirements: tuple[str, ...]) -> None:
     """The image's pins must satisfy what each kernel needs at run time on the image's archs."""
-    from packaging.requirements import Requirement
-    from packaging.utils import canonicalize_name
-
     pins = {}
     for req in requirements:
         try:

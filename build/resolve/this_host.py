@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import subprocess
 import sys
 
@@ -19,9 +20,7 @@ from contracts.schema import Problems
 def observed_toolchain() -> tuple[Toolchain, PinnedFile]:
     """This interpreter's toolchain, and an identity for its torch (the sha256 of torch's
     installed RECORD, which lists the sha256 of every installed file)."""
-    import importlib.metadata
-
-    import torch
+    import torch  # seconds to load: the build CLI (`--plan` too) imports this module, only build-here needs torch
 
     try:
         version = subprocess.run(["gcc", "-dumpversion"], capture_output=True, text=True).stdout.strip()
@@ -52,7 +51,7 @@ def resolve_for_host(spec: ImageSpec, manifest: Manifest, archs: tuple[str, ...]
 
 
 def host_arch() -> str | None:
-    import torch
+    import torch  # as in observed_toolchain()
 
     if not torch.cuda.is_available():
         return None

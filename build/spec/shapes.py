@@ -7,6 +7,7 @@ them can reach a Dockerfile line, a shell command or a path.
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -283,8 +284,6 @@ class BootstrapBase:
                 "packages": sorted(self.packages)}
         lock = self.path / "debs.lock.json"
         if lock.is_file():   # a re-pinned lock is a new base
-            import hashlib
-
             spec["debs_lock_sha256"] = hashlib.sha256(lock.read_bytes()).hexdigest()
         return spec
 

@@ -13,9 +13,12 @@ from typing import Any
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
+from build.spec.files import display_path, read_document
 from build.spec.shapes import ENV_NAME, LABEL_KEY, UID_RANGE, ImageSpec, Kernel, Manifest, PinnedFile
+from contracts.finetune_config import ConfigError, build_config, merge
 from contracts.redact import mask_url
 from contracts.schema import InvalidInput, Problems
+from families import known_families
 
 # Labels the build itself sets: a spec may not forge the image's provenance with them.
 RESERVED_LABEL_PREFIXES = ("io.ftimage.",)
@@ -164,8 +167,6 @@ def _kernel(k: Kernel, where: str, file: str, problems: Problems, repo_root: Pat
 # ---- the image spec ----------------------------------------------------------------------
 
 def image(spec: ImageSpec, file: str, problems: Problems) -> None:
-    from families import known_families
-
     for i, req in enumerate(spec.python_requirements):
         parsed = pinned_requirement(req, f"python.requirements[{i}]", file, problems)
         if parsed and parsed.name.lower() == "torch":
@@ -225,9 +226,6 @@ def _duplicates(values: tuple[str, ...], field: str, file: str, problems: Proble
 def finetune_defaults(spec: ImageSpec, file: str, problems: Problems) -> dict[str, Any]:
     """The image's finetune defaults (config_file < defaults), each layer validated with the
     finetune schema and its problems reported against the file they are in."""
-    from build.spec.files import display_path, read_document
-    from contracts.finetune_config import ConfigError, build_config, merge
-
     layers: list[tuple[str, str, dict]] = []
     if spec.finetune.config_file:
         path = (spec.directory / spec.finetune.config_file.replace("\x00", "")).resolve()
