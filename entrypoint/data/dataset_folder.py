@@ -18,12 +18,11 @@ from pathlib import Path, PurePosixPath
 
 from contracts import safe_yaml
 from contracts.errors import FixableError
+from entrypoint.data.linked_files import refuse_leaving
 from entrypoint.inputs import check_data_path
 
 README = "README.md"
 FRONT_MATTER_LIMIT = safe_yaml.MAX_FILE_BYTES
-COPY_FIX = ("copy the dataset into one folder of real files (`huggingface-cli download REPO --repo-type dataset "
-            "--local-dir DIR` writes them) and point data.path at it")
 
 
 class FolderRefused(FixableError):
@@ -169,10 +168,7 @@ def splits(folder: str | Path, field: str = "data.path") -> dict[str, list[str]]
 def split_files(folder: str | Path, split: str, files: list[str]) -> list[str]:
     """One split's files, each checked: inside the folder (symlinks resolved), never hidden."""
     root = Path(os.path.realpath(folder))
-    for path in files:
-        if not _inside(path, root):
-            raise FolderRefused(f"{path} (split {split!r} of {folder}) lies outside the dataset folder "
-                                "(a symlink that leaves it)", COPY_FIX)
+    refuse_leaving(files, root, f"split {split!r} of {folder}")   # LinkRefused: sources.py names the field
     visible = [p for p in files if _visible(p, root)]
     if files and not visible:
         raise FolderRefused(f"split {split!r} of {folder} names only hidden files ({Path(files[0]).name}, ...): "

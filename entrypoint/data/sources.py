@@ -11,7 +11,6 @@ something that is not a regular file.
 """
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from contracts.errors import FixableError
 from entrypoint.data.dataset_folder import FolderRefused, split_files, splits
+from entrypoint.data.linked_files import LinkRefused, glob_files, walk
 from entrypoint.inputs import InputError, check_data_path
 
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -96,12 +96,20 @@ def _split_files(path: str, fmt: str, split: str, field: str) -> list[str]:
 
 
 def resolve(path: str, fmt: str = "auto", split: str = "", field: str = "data.path") -> Source:
-    """Resolve a source's files (DataError / InputError with the field and a fix)."""
+    """Resolve a source's files (DataError / InputError with the field and a fix). Every form obeys
+    linked_files' rule: no file is reached through a link that leaves the path the field names."""
+    try:
+        return _resolve(path, fmt, split, field)
+    except LinkRefused as exc:
+        raise DataError(exc.message, exc.fix, field) from None
+
+
+def _resolve(path: str, fmt: str, split: str, field: str) -> Source:
     if not path:
         raise DataError(f"{field} is not set", "set it to a data file, folder or glob", field)
     has_glob = any(c in path for c in "*?[")
     if has_glob:
-        files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        files = glob_files(path, f"{field} {path}")
         if not files:
             raise DataError(f"{field} {path} matches no file", "check the pattern (quote it in a shell)", field)
     elif not os.path.exists(path):
@@ -115,13 +123,13 @@ def resolve(path: str, fmt: str = "auto", split: str = "", field: str = "data.pa
                                 "point it at the folder, or set data.format=auto", field)
             files = [path]
         elif fmt == "disk" or any((Path(path) / m).is_file() for m in DISK_MARKERS):
+            walk(path, f"{field} {path}")       # datasets reads every file under it: none through a link out
             return Source(field, path, "disk", (path,), split)   # its own splits: rows.py reads them
         elif split:
             files = _split_files(path, fmt, split, field)
         else:
-            files = sorted(str(p) for p in Path(path).rglob("*")
-                           if p.is_file() and (p.suffix.lower() in SUFFIXES or fmt not in ("auto", "disk"))
-                           and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            files = [f for f in walk(path, f"{field} {path}")
+                     if os.path.isfile(f) and (Path(f).suffix.lower() in SUFFIXES or fmt not in ("auto", "disk"))]
             if not files:
                 raise DataError(f"{field} {path} is a folder with no .jsonl/.json/.parquet/.arrow file",
                                 "point it at the folder that holds the data files, or at one file", field)
