@@ -24,15 +24,33 @@ class LinkRefused(FixableError):
     reports it on its field."""
 
 
-def inside(path: str | Path, real_root: Path) -> bool:
-    real = Path(os.path.realpath(path))
+def real_path(path: str | Path, named: str) -> Path:
+    """`path` with every link resolved; one that cannot be (a process's /proc link, a permission)
+    is refused, never guessed."""
+    try:
+        return Path(os.path.realpath(path))
+    except OSError as exc:
+        raise LinkRefused(f"{named}: {path} cannot be resolved ({exc.strerror})",
+                          "point the field at a folder of data files this job may read") from None
+
+
+def link_target(link: str | Path, named: str) -> str:
+    try:
+        return os.readlink(link)
+    except OSError as exc:
+        raise LinkRefused(f"{named}: {link} cannot be resolved ({exc.strerror})",
+                          "point the field at a folder of data files this job may read") from None
+
+
+def inside(path: str | Path, real_root: Path, named: str = "data.path") -> bool:
+    real = real_path(path, named)
     return real == real_root or real_root in real.parents
 
 
 def leaving_link(path: Path, root: Path) -> Path | None:
     """The first link on the way down from `root` to `path` (itself included) whose target lies
     outside `root`'s real path; None when there is none (or `path` is not under `root`)."""
-    real_root = Path(os.path.realpath(root))
+    real_root = real_path(root, str(root))
     try:
         parts = path.relative_to(root).parts
     except ValueError:
@@ -40,7 +58,7 @@ def leaving_link(path: Path, root: Path) -> Path | None:
     here = root
     for part in parts:
         here = here / part
-        if here.is_symlink() and not inside(here, real_root):
+        if here.is_symlink() and not inside(here, real_root, str(root)):
             return here
     return None
 
@@ -48,16 +66,17 @@ def leaving_link(path: Path, root: Path) -> Path | None:
 def refuse_leaving(files: list[str], root: str | Path, named: str) -> None:
     """LinkRefused, naming the link, if any of `files` lies outside `root`'s real path."""
     root = Path(root)
-    real_root = Path(os.path.realpath(root))
+    real_root = real_path(root, named)
     for file in files:
         if not os.path.lexists(file):
             continue
-        if os.path.islink(file) and not os.path.exists(file):
-            raise LinkRefused(f"{named}: {file} is a link to {os.readlink(file)}, which does not exist",
+        target = link_target(file, named) if os.path.islink(file) else ""
+        if target and not os.path.exists(file):
+            raise LinkRefused(f"{named}: {file} is a link to {target}, which does not exist",
                               "remove the dangling link, or restore the file it names")
-        if not inside(file, real_root):
+        if not inside(file, real_root, named):
             link = leaving_link(Path(file), root) or Path(file)
-            raise LinkRefused(f"{named}: {link} is a link to {os.path.realpath(link)}, outside {root}; "
+            raise LinkRefused(f"{named}: {link} is a link to {real_path(link, named)}, outside {root}; "
                               f"{file} is reached through it", LEAVE_FIX)
 
 
@@ -65,16 +84,16 @@ def walk(folder: str | Path, named: str) -> list[str]:
     """Every visible file under `folder` (hidden files and folders left out), sorted, following
     links that stay inside it; LinkRefused for a link that leaves it, and never a loop."""
     folder = Path(folder)
-    real_root = Path(os.path.realpath(folder))
+    real_root = real_path(folder, named)
     found: list[str] = []
     seen: set[str] = set()
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
         here = Path(dirpath)
-        if not inside(here, real_root):
+        if not inside(here, real_root, named):
             link = leaving_link(here, folder) or here
-            raise LinkRefused(f"{named}: {link} is a link to {os.path.realpath(link)}, outside {folder}; the "
+            raise LinkRefused(f"{named}: {link} is a link to {real_path(link, named)}, outside {folder}; the "
                               f"files under it would be read", LEAVE_FIX)
-        real = os.path.realpath(here)
+        real = str(real_path(here, named))
         if real in seen:          # a link back up the tree: walked once already
             dirnames[:] = []
             continue

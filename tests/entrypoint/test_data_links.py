@@ -156,3 +156,23 @@ def test_no_form_ever_reads_a_file_outside_the_named_root(tmp_path_factory, entr
     assert all(os.path.realpath(f).startswith(real_root + os.sep) for f in files), files
     if form == "folder":
         assert not leaves, f"a link out or a dangling link in {entries} was not refused"
+
+
+def test_a_link_that_cannot_be_resolved_is_refused_not_a_traceback(tmp_path, monkeypatch):
+    """/proc/<pid>/cwd of another process is a link even root may not read: one clear refusal."""
+    import entrypoint.data.linked_files as linked
+
+    root = tmp_path / "ds"
+    root.mkdir()
+    (root / "a.jsonl").write_text(ROW + "\n")
+    os.symlink(tmp_path / "somewhere", root / "b.jsonl")
+    real_readlink = os.readlink
+
+    def denied(path, *args, **kwargs):
+        if str(path).endswith("b.jsonl"):
+            raise PermissionError(13, "Permission denied")
+        return real_readlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(linked.os, "readlink", denied)
+    with pytest.raises(DataError, match=r"b.jsonl cannot be resolved \(Permission denied\)"):
+        resolve(str(root))
