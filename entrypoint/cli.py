@@ -98,6 +98,14 @@ def gate(argv: list[str], *, run_verify=None) -> int:
         return EXIT_USAGE
     if run_verify is None:
         from entrypoint.launcher.verify_gate import run_verify  # as in main()
+    from entrypoint.launcher.job_env import job_env  # as in main()
+    from verify.scratch import NoScratch
+
+    try:   # the command gets what our own ranks get: writable caches, HOME, a user name for its uid
+        os.environ.update(job_env(os.environ))
+    except NoScratch as exc:
+        err(str(exc), exc.fix)
+        return EXIT_USAGE
     allow = args.allow_fallback or truthy(os.environ.get(ALLOW_FALLBACK_ENV))
     log(f"[gate] running verify before: {' '.join(command)}")
     outcome = run_verify(model=args.model, param_dtype=args.param_dtype)

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from contracts.errors import FixableError
 from contracts.finetune_config import FinetuneConfig
-from verify.scratch import NoScratch, private_scratch
+from entrypoint.launcher.job_env import job_env
+from verify.scratch import NoScratch
 
 
 class LaunchError(FixableError):
@@ -115,39 +116,12 @@ def _int(text: str | None, default: int) -> int:
 
 
 def cache_env(cfg: FinetuneConfig, env: dict) -> dict:
-    """Where the JIT and library caches go, for what the user did not set (or set unusably): this
-    uid's private scratch, never output.dir. Triton loads the compiled launcher .so files it
-    finds in its cache, so a cache on a shared output volume would run whatever someone else
-    put there. HOME and TMPDIR follow when they are unwritable (a non-root uid on a read-only
-    root)."""
+    """The job's caches, HOME, TMPDIR and user name (job_env.py), for the launcher's workers; a
+    uid that can write nowhere is a LaunchError naming every folder tried."""
     try:
-        base = private_scratch(env)
+        return job_env(env)
     except NoScratch as exc:
         raise LaunchError(str(exc), exc.fix) from None
-    out: dict[str, str] = {}
-    home = env.get("HOME", "")
-    if not home or not os.access(home, os.W_OK):
-        out["HOME"] = str(base / "home")
-    tmp = env.get("TMPDIR") or "/tmp"
-    if not os.access(tmp, os.W_OK):
-        out["TMPDIR"] = str(base / "tmp")
-    for name, sub in (("XDG_CACHE_HOME", "xdg"), ("TRITON_CACHE_DIR", "triton"), ("HF_HOME", "huggingface"),
-                      ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("MPLCONFIGDIR", "matplotlib")):
-        if not _writable_or_creatable(env.get(name)):
-            out[name] = str(base / sub)
-    if not env.get("HF_DATASETS_OFFLINE"):
-        out["HF_DATASETS_OFFLINE"] = "1"   # data comes from mounted files: never wait on a hub
-    prepare_dirs({k: v for k, v in out.items() if k != "HF_DATASETS_OFFLINE"})
-    return out
-
-
-def _writable_or_creatable(path: str | None) -> bool:
-    if not path:
-        return False
-    target = Path(path)
-    while not target.exists() and target != target.parent:
-        target = target.parent
-    return target.is_dir() and os.access(target, os.W_OK)
 
 
 def worker_env(cfg: FinetuneConfig, topo: Topology, env: dict) -> dict:
@@ -170,14 +144,6 @@ def worker_env(cfg: FinetuneConfig, topo: Topology, env: dict) -> dict:
         env["PYTHONNOUSERSITE"] = "1"
         env.pop("PYTHONPATH", None)
     return env
-
-
-def prepare_dirs(env: dict) -> None:
-    for path in env.values():
-        try:
-            Path(path).mkdir(parents=True, exist_ok=True)
-        except OSError:
-            pass  # the library that uses it will say what is wrong, with its own path
 
 
 def torchrun_argv(topo: Topology, plan_path: Path) -> list[str]:

@@ -25,3 +25,14 @@ def tokenizer(fixture_dir):
     from entrypoint.model import load_tokenizer
 
     return load_tokenizer(str(fixture_dir.model_dir))
+
+
+@pytest.fixture
+def gate_environ(monkeypatch):
+    """The gate updates os.environ (caches, HOME, the override) before it execs: tests that call it
+    in-process give it a copy, so the test process keeps its own environment."""
+    import os
+
+    copy = dict(os.environ)
+    monkeypatch.setattr(os, "environ", copy)
+    return copy

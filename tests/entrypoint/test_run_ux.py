@@ -88,7 +88,7 @@ def _gate_outcome(passed: bool) -> GateOutcome:
     return GateOutcome(passed=passed, worst="PASS" if passed else "FAIL", table="(verify table)")
 
 
-def test_gate_execs_the_command_only_after_verify_passes(monkeypatch):
+def test_gate_execs_the_command_only_after_verify_passes(monkeypatch, gate_environ):
     from entrypoint import cli
 
     ran, seen = [], {}
@@ -102,7 +102,7 @@ def test_gate_execs_the_command_only_after_verify_passes(monkeypatch):
     assert ran == [["torchrun", "train.py"]] and seen == {"model": "/m", "param_dtype": "bfloat16"}
 
 
-def test_gate_refuses_a_failed_verify_unless_overridden_on_the_record(monkeypatch, capsys):
+def test_gate_refuses_a_failed_verify_unless_overridden_on_the_record(monkeypatch, capsys, gate_environ):
     from entrypoint import cli
 
     ran = []
@@ -119,7 +119,7 @@ def test_gate_refuses_a_failed_verify_unless_overridden_on_the_record(monkeypatc
     assert "override given (FTIMAGE_ALLOW_FALLBACK=1)" in capsys.readouterr().err
 
 
-def test_gate_without_a_command_is_a_usage_error(capsys):
+def test_gate_without_a_command_is_a_usage_error(capsys, gate_environ):
     from entrypoint import cli
 
     assert cli.gate(["--"], run_verify=lambda **kw: _gate_outcome(True)) == cli.EXIT_USAGE
