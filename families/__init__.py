@@ -51,11 +51,41 @@ class FusedFunction:
     boundary_kwarg: str = field(metadata=rule(pattern=r"[a-z_]+"))  # carries document boundaries to the kernel
 
 
+# The one step of a layer kind with no fused functions (full attention): the attention function
+# the layer gets from transformers' ALL_ATTENTION_FUNCTIONS.get_interface must run.
+ATTENTION_PATH = "attention"
+
+
+def _path_not_empty(path: tuple[str, ...]):
+    if not path:
+        return ("an empty path", "list the fused functions (their `fused[].function` names) that together make "
+                "one complete fused path of this layer kind, e.g. [causal_conv1d_fn, mamba_chunk_scan_combined], "
+                "or remove the empty entry")
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class LayerKind:
     module: str = field(metadata=rule(pattern=r"[A-Za-z_][A-Za-z0-9_]*"))  # token mixer attribute on a layer
+    # the token mixer's class in the modeling module: the runtime guard wraps its forward, so it sees
+    # the layer kind run even when the functions it should call are never called
+    layer_class: str = field(metadata=rule(
+        pattern=r"[A-Za-z_][A-Za-z0-9_]*",
+        fix="name the token mixer's class in the modeling module, e.g. `layer_class: Qwen3_5GatedDeltaNet`"))
     measure: tuple[Literal["attention", "gdn", "conv"], ...] = ()
     fused: tuple[FusedFunction, ...] = ()
+    # alternative complete fused paths, each a list of `fused[].function` names that must all run in
+    # one layer call (a layer that picks one kernel or another, e.g. Mamba2's split-conv1d-scan or
+    # conv1d + chunk scan). Absent: one path of all the kind's fused functions (complete_paths)
+    paths: tuple[tuple[str, ...], ...] = field(default=(), metadata=rule(each=_path_not_empty))
+
+    def complete_paths(self) -> tuple[tuple[str, ...], ...]:
+        """What one call of this layer kind must run: any one of these, every function of it."""
+        if self.paths:
+            return self.paths
+        if self.fused:
+            return (tuple(f.function for f in self.fused),)
+        return ((ATTENTION_PATH,),)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,8 +176,36 @@ def load_family(name: str) -> Family:
     except safe_yaml.YamlRefused as exc:
         problems.add(str(path), "(file)", exc.problem, exc.fix, exc.code)
         data = None
-    family = Reader(f"families/{name}.yaml", problems).read(Family, data) if data is not None else None
-    if family is not None and family.name != name:
-        problems.add(f"families/{name}.yaml", "name", f"the file says {family.name!r}", f"set name: {name}")
+    family = read_family(name, data, problems) if data is not None else None
     problems.raise_if_any(FamilyError)
     return family
+
+
+def read_family(name: str, data: Any, problems: Problems) -> Family | None:
+    """The family in `data` (a parsed families/<name>.yaml), its problems recorded in `problems`."""
+    file = f"families/{name}.yaml"
+    family = Reader(file, problems).read(Family, data)
+    if family is not None and family.name != name:
+        problems.add(file, "name", f"the file says {family.name!r}", f"set name: {name}")
+    if family is not None:
+        _check_paths(family, problems, file)
+    return family
+
+
+def _check_paths(family: Family, problems: Problems, file: str) -> None:
+    """Each name in a layer kind's `paths:` is one of that kind's `fused[].function` names."""
+    for kind_name, kind in family.layer_kinds.items():
+        names = [f.function for f in kind.fused]
+        for i, path in enumerate(kind.paths):
+            for j, function in enumerate(path):
+                if function in names:
+                    continue
+                where = f"layer_kinds.{kind_name}.paths[{i}][{j}]"
+                if not names:
+                    problems.add(file, where, f"{function!r}: layer kind {kind_name} has no fused functions",
+                                 f"remove `paths:` from layer_kinds.{kind_name} (its path is the attention function "
+                                 "transformers hands out), or list its functions under `fused:`")
+                else:
+                    problems.add(file, where, f"{function!r} is not a fused function of layer kind {kind_name}",
+                                 f"use one of its `fused[].function` names ({', '.join(names)}), or add {function} "
+                                 f"to layer_kinds.{kind_name}.fused")
