@@ -15,9 +15,9 @@ from typing import Any
 from contracts import atomic
 from contracts.events import EventLog
 
-# `guard` below is a guard.state.Guard and `rec` its FunctionRecord; not imported here, since
-# state imports this module (to report and refuse)
-Guard = FunctionRecord = Any
+# `guard` below is a guard.state.Guard, `rec` its FunctionRecord and `layer` its LayerRecord; not
+# imported here, since state imports this module (to report and refuse)
+Guard = FunctionRecord = LayerRecord = Any
 
 SCHEMA = "ftimage.guard/1"
 REFUSED = 3          # the gate's refusal code (`ftimage-gate` exits 3 when it refuses to run a command)
@@ -35,6 +35,10 @@ def _rank() -> int | None:
     return int(rank) if rank.isdigit() else None
 
 
+def layer_ran(layer: LayerRecord | None) -> int:
+    return (layer.runs + layer.recompute + layer.outside) if layer is not None else 0
+
+
 def verdict(guard: Guard, rec: FunctionRecord) -> str:
     if any(v.function == rec.function for v in guard.violations):
         return "refused"
@@ -43,7 +47,39 @@ def verdict(guard: Guard, rec: FunctionRecord) -> str:
     trained = rec.calls["forward_fused"] + rec.calls["forward_torch"] + rec.calls["recompute"]
     if trained:
         return "pass"
+    layer = guard.layers.get(rec.kind)
+    if rec.calls.get("compiled") or (layer is not None and layer.compiled):
+        return "not seen: compiled"
+    if layer_ran(layer):
+        # never "not run" beside a layer kind that ran: either it ran another complete path, or the
+        # kind's own verdict refused it
+        if any(v.function == rec.kind for v in guard.violations):
+            return "not run while its layer ran"
+        return "not on the path that ran"
     return "eval only" if rec.calls["eval"] else "not run"
+
+
+def layer_verdict(guard: Guard, layer: LayerRecord) -> str:
+    if any(v.function == layer.kind for v in guard.violations):
+        return "refused"
+    if layer.compiled:
+        return "silent: compiled" if guard.settings.allow_compile else "refused"
+    if layer.override:
+        return "fallback allowed"
+    if layer_ran(layer):
+        return "pass"
+    return "eval only" if layer.eval else "not run"
+
+
+def layer_entry(guard: Guard, layer: LayerRecord) -> dict[str, Any]:
+    names = {b.name for b in guard.bindings if b.kind == layer.kind}
+    return {
+        "layer_class": layer.layer_class, "paths": [list(p) for p in layer.paths], "present": layer.present,
+        "forward": layer.runs, "recompute": layer.recompute, "outside_family_model": layer.outside,
+        "compiled": layer.compiled, "eval": layer.eval, "paths_ran": dict(layer.paths_ran),
+        "rebound": {name: now for name, now in sorted(guard.rebound.items()) if name in names},
+        "verdict": layer_verdict(guard, layer), "override": layer.override or None,
+    }
 
 
 def function_entry(guard: Guard, rec: FunctionRecord) -> dict[str, Any]:
@@ -51,7 +87,7 @@ def function_entry(guard: Guard, rec: FunctionRecord) -> dict[str, Any]:
         "kind": rec.kind, "wrapper": rec.wrapper, "boundary_kwarg": rec.boundary_kwarg,
         "bound": rec.bound, "fused": rec.fused, "why_torch": rec.why or None,
         "forward": {"fused": rec.calls["forward_fused"], "torch": rec.calls["forward_torch"],
-                    "recompute": rec.calls["recompute"], "eval": rec.calls["eval"]},
+                    "recompute": rec.calls["recompute"], "eval": rec.calls["eval"], "compiled": rec.calls["compiled"]},
         "backward": {"fused": rec.calls["backward_fused"], "torch": rec.calls["backward_torch"]},
         "ran_forward": sorted(rec.forward_impls), "ran_backward": sorted(rec.backward_impls),
         "packed_calls": rec.packed_calls, "boundaries_present": rec.boundary_present,
@@ -62,7 +98,10 @@ def function_entry(guard: Guard, rec: FunctionRecord) -> dict[str, Any]:
 def status(guard: Guard) -> str:
     if guard.violations:
         return "refused"
-    if not guard.batches["training"] and not guard.unattributed:
+    if guard.silent:
+        return "silent"     # compiled training forwards, let through by the override: nothing vouched for
+    if not guard.batches["training"] and not guard.unattributed and not any(
+            layer.outside for layer in guard.layers.values()):
         return "no training step"
     return "fallback allowed" if guard.overrides else "pass"
 
@@ -72,11 +111,18 @@ def build(guard: Guard) -> dict[str, Any]:
     return {
         "schema": SCHEMA, "status": status(guard), "family": guard.family.name, "modeling_module": guard.module_name,
         "pid": os.getpid(), "rank": _rank(), "argv": list(sys.argv),
-        "window": {"steps": s.steps, "checked": min(guard.steps, s.steps), "ended": guard.window_ended},
-        "settings": {"FTIMAGE_GUARD": "on", "FTIMAGE_GUARD_STEPS": s.steps, "FTIMAGE_ALLOW_FALLBACK": s.allow_fallback},
+        "window": {"steps": s.steps, "checked": max(0, min(guard.steps, s.steps) - guard.compiled_steps),
+                   "ended": guard.window_ended},
+        "settings": {"FTIMAGE_GUARD": "on", "FTIMAGE_GUARD_STEPS": s.steps, "FTIMAGE_ALLOW_FALLBACK": s.allow_fallback,
+                     "FTIMAGE_GUARD_ALLOW_COMPILE": s.allow_compile},
         "batches": {**guard.batches, "boundary_kwargs": sorted(guard.kwargs_seen),
                     "position_ids": sorted(guard.layouts), "outside_family_model": guard.unattributed},
+        "layers": {kind: layer_entry(guard, layer) for kind, layer in guard.layers.items()},
         "functions": {name: function_entry(guard, rec) for name, rec in guard.records.items()},
+        "compiled": {**guard.compiled_counts, "steps": guard.compiled_steps, "where": list(guard.compiled_where),
+                     "allowed": s.allow_compile},
+        "silent": guard.silent or None,
+        "rebound": dict(sorted(guard.rebound.items())),
         "violations": [{"function": v.function, "message": v.message, "fix": list(v.fix)} for v in guard.violations],
         "overrides": list(guard.overrides),
         "warnings": list(guard.warnings),
@@ -109,12 +155,24 @@ def publish(guard: Guard, data: dict[str, Any]) -> None:
 
 def summary(guard: Guard, data: dict[str, Any]) -> str:
     parts = []
+    for kind, entry in data["layers"].items():
+        more = [f"{entry[key]} {what}" for key, what in (("recompute", "recomputed in backward"),
+                                                         ("outside_family_model", "outside the model's forward"),
+                                                         ("compiled", "compiled, not checked")) if entry[key]]
+        paths = ", ".join(f"{label} ({n})" for label, n in entry["paths_ran"].items()) or "none seen"
+        parts.append(f"{kind} ({entry['layer_class']}): {entry['verdict']}, ran {entry['forward']} time(s)"
+                     + "".join(f", {m}" for m in more) + f", path {paths}")
     for name, entry in data["functions"].items():
-        ran = ", ".join(entry["ran_forward"]) or "not run"
+        ran = ", ".join(entry["ran_forward"]) or "none"
         back = ", ".join(entry["ran_backward"]) or "none"
         parts.append(f"{name}: {entry['verdict']}, forward {ran} ({entry['forward']['fused']} fused, "
                      f"{entry['forward']['torch']} torch), backward {back} ({entry['backward']['fused']} fused, "
                      f"{entry['backward']['torch']} torch)")
+    parts += [f"{name} rebound to {now}" for name, now in data["rebound"].items()]
+    if data["silent"]:
+        parts.insert(0, f"{data['compiled']['training_forwards']} compiled training forward(s) and "
+                        f"{data['compiled']['training_calls']} compiled layer or kernel call(s) not checked: "
+                        f"{data['silent']}")
     packed = data["batches"]["packed"]
     kwargs = ", ".join(data["batches"]["boundary_kwargs"]) or "none"
     where = f"; report: {guard.settings.report}" if guard.settings.report else ""

@@ -1,12 +1,15 @@
 """The guard's decisions, as pure functions: one call of a fused function or of the attention in a
-training step, against the batch it belongs to. Each gives what is wrong (a Violation: the layer
-kind and what ran or what was missing, with the fix for common trainers) or what the fallback
+training step, against the batch it belongs to; the runs of a layer kind, against its complete
+fused paths; a training forward under torch.compile. Each gives what is wrong (a Violation: the
+layer kind and what ran or what was missing, with the fix for common trainers) or what an
 override let through. No torch here: the wrappers gather the facts."""
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from guard.settings import ALLOW_FALLBACK_ENV
+from families import ATTENTION_PATH
+from guard.settings import ALLOW_COMPILE_ENV, ALLOW_FALLBACK_ENV
 
 FIX_BOUNDARIES = (
     "pass the document boundaries down the model's kwargs, as these do:",
@@ -23,7 +26,7 @@ FIX_UNPACKED = (f"or, slowly, train on padded unpacked batches (TRL `packing=Fal
 
 @dataclass(frozen=True)
 class Violation:
-    function: str      # "causal_conv1d_fn", "chunk_gated_delta_rule", "attention"
+    function: str      # "causal_conv1d_fn", "chunk_gated_delta_rule", "attention"; a layer kind; "torch.compile"
     message: str
     fix: tuple[str, ...]      # one line each; the refusal prints every distinct line once
 
@@ -138,3 +141,91 @@ def attention_backward_violation(call: AttentionCall, backward: str) -> Violatio
 def eval_warning(function: str, kwarg: str, where: str) -> str:
     return (f"a packed batch without {kwarg} reached {where} outside training (eval or no_grad): not refused, "
             "but its documents leak into each other")
+
+
+# -- a layer kind: did one of its complete fused paths run? -----------------------------------------------
+Path = tuple[str, ...]
+
+
+def path_label(path: Path) -> str:
+    if tuple(path) == (ATTENTION_PATH,):
+        return "the attention function from ALL_ATTENTION_FUNCTIONS.get_interface"
+    return " + ".join(path)
+
+
+def complete_path(functions_ran: Iterable[str], paths: Iterable[Path]) -> Path | None:
+    """The first path every function of which ran, or None."""
+    ran = set(functions_ran)
+    return next((tuple(p) for p in paths if p and set(p) <= ran), None)
+
+
+def layer_kind_call(kind: str, layer_class: str, runs: int, functions_ran: frozenset[str], paths: tuple[Path, ...],
+                    rebound: Mapping[str, str], packed: bool | None = True,
+                    allow_fallback: bool = False) -> tuple[Violation | None, str]:
+    """(violation, override) for `runs` calls of a layer kind's forward in a training step, each of
+    which ran exactly the guarded functions `functions_ran`. A layer passes only when every function
+    of one of its complete `paths` ran inside it: a layer that ran while its functions did not ran
+    something the guard never saw. `rebound`: the kind's names (modeling-module attributes,
+    get_interface) that are no longer the guard's, each with what it is bound to now.
+    FTIMAGE_ALLOW_FALLBACK lets transformers' own code run without the path on a batch known to be
+    unpacked (`packed` False), never a rebound name."""
+    if runs <= 0 or complete_path(functions_ran, paths) is not None:
+        return None, ""
+    wanted = " or ".join(path_label(p) for p in paths)
+    partial = sorted(set(functions_ran) & {f for p in paths for f in p})
+    what = f"{kind} ({layer_class}) ran {runs} time(s) without a complete fused path ({wanted})"
+    if partial:
+        what += f": only {', '.join(partial)} ran"
+    if rebound:
+        what += f"; rebound after the guard attached at import: {rebound_text(rebound)}"
+        return Violation(kind, what, fix_rebound(sorted(rebound))), ""
+    if not partial:
+        what += "; the layer called none of the functions the guard checks"
+    if packed is False and allow_fallback:
+        return None, f"{ALLOW_FALLBACK_ENV}=1: {what}; allowed on unpacked batches"
+    return Violation(kind, what, (f"run {kind} with the image's kernels: install its kernel wheels (rebuild the "
+                                  "image with `python -m build`) and keep transformers' modeling code as it is",
+                                  *FIX_UNPACKED)), ""
+
+
+def rebound_text(rebound: Mapping[str, str]) -> str:
+    return "; ".join(f"{name} is now {now}" for name, now in sorted(rebound.items()))
+
+
+def fix_rebound(names: Iterable[str]) -> tuple[str, ...]:
+    return (f"leave {', '.join(names)} as transformers bound them at import (the guard checks the kernels "
+            "through them): remove the code that rebinds them; a broken kernel is fixed by rebuilding the image "
+            "(`python -m build`), not by swapping in the torch reference",)
+
+
+def layers_unseen(kind: str, layer_class: str, present: int, seen: int,
+                  bypass: tuple[str, ...]) -> Violation | None:
+    """The model holds `present` layers of a kind, but only `seen` ran through the forward the guard
+    wrapped: the rest ran something it never saw (the class's forward rebound, an instance's own)."""
+    if seen >= present:
+        return None
+    ran = "none" if seen == 0 else f"only {seen}"
+    what = (f"{kind}: the model holds {present} {layer_class} layer(s), but {ran} ran through "
+            f"{layer_class}.forward in this training step")
+    what += f"; what ran instead: {'; '.join(bypass)}" if bypass else "; the others ran code the guard does not see"
+    return Violation(kind, what, (f"leave {layer_class}.forward as transformers defines it (the guard checks the layer "
+                                  "kind there): remove the code that replaces it on the class or on its instances",))
+
+
+# -- torch.compile ------------------------------------------------------------------------------------------
+def fix_compile(steps: int) -> tuple[str, ...]:
+    return (f"run the first {steps} training step(s) eagerly: drop `torch.compile(model)` (transformers and TRL: "
+            "`torch_compile=False`), or compile only after them (the guard lets go when its window ends)",
+            f"or set {ALLOW_COMPILE_ENV}=1 to train compiled forwards with no runtime check (logged, recorded in the "
+            "report)")
+
+
+def compiled_call(where: str, steps: int, allow_compile: bool) -> tuple[Violation | None, str]:
+    """(violation, override) for a training call the guard saw only from inside code that dynamo
+    traced: compiled code runs without the guard's wrappers, so it can vouch for nothing there."""
+    if allow_compile:
+        return None, (f"{ALLOW_COMPILE_ENV}=1: {where} runs under torch.compile; the guard does not check compiled "
+                      "code, so it is silent about the fused kernels and packed-batch boundaries of these forwards")
+    return Violation("torch.compile", f"{where} ran under torch.compile in a training step: dynamo traces through the "
+                     "guard's wrappers, so it cannot check the fused kernels or the packed-batch boundaries of "
+                     "compiled code, and will not vouch for it", fix_compile(steps)), ""

@@ -1,5 +1,6 @@
 """The guard's environment, read once at activation: on/off, how many training steps to check,
-where the report goes, the fallback override, JSON logs. A malformed value is one clear error."""
+where the report goes, the fallback and compile overrides, JSON logs. A malformed value is one
+clear error."""
 from __future__ import annotations
 
 import os
@@ -12,10 +13,13 @@ STEPS_ENV = "FTIMAGE_GUARD_STEPS"          # training steps to check, default 2
 REPORT_ENV = "FTIMAGE_GUARD_REPORT"        # where the JSON report is written (atomically)
 ALLOW_FALLBACK_ENV = "FTIMAGE_ALLOW_FALLBACK"   # the name entrypoint.console uses (a test holds them equal)
 JSON_LOGS_ENV = "FTIMAGE_JSON_LOGS"        # "1": the report also goes to stderr as one JSON line
+ALLOW_COMPILE_ENV = "FTIMAGE_GUARD_ALLOW_COMPILE"   # "1": compiled training forwards run unchecked, logged
 
 DEFAULT_STEPS = 2
 MAX_STEPS = 1_000_000
 ON, OFF = ("", "1", "on", "true", "yes"), ("0", "off", "false", "no")
+# an override is read strictly: a typo must not silently leave it off (or on)
+YES, NO = ("1", "on", "true", "yes"), ("", "0", "off", "false", "no")
 
 
 class BadSetting(FixableError):
@@ -38,6 +42,7 @@ class Settings:
     report: str = ""               # "" = no file
     allow_fallback: bool = False
     json_logs: bool = False
+    allow_compile: bool = False
 
 
 def report_path(path: str, env) -> str:
@@ -64,5 +69,11 @@ def read(env=None) -> Settings:
                              f"set {STEPS_ENV} to how many training steps to check, e.g. {STEPS_ENV}={DEFAULT_STEPS}, "
                              f"or {GUARD_ENV}=off to check none")
         steps = int(raw)
+    compile_raw = env.get(ALLOW_COMPILE_ENV, "").strip().lower()
+    if compile_raw not in YES + NO:
+        raise BadSetting(f"{ALLOW_COMPILE_ENV}={env.get(ALLOW_COMPILE_ENV)!r} is neither 1 nor 0",
+                         f"set {ALLOW_COMPILE_ENV}=1 to train compiled forwards without the guard's check (logged), "
+                         f"or unset it (the default, 0) so that the guard refuses them")
     return Settings(enabled=mode not in OFF, steps=steps, report=report_path(env.get(REPORT_ENV, "").strip(), env),
-                    allow_fallback=truthy(env.get(ALLOW_FALLBACK_ENV)), json_logs=env.get(JSON_LOGS_ENV) == "1")
+                    allow_fallback=truthy(env.get(ALLOW_FALLBACK_ENV)), json_logs=env.get(JSON_LOGS_ENV) == "1",
+                    allow_compile=compile_raw in YES)

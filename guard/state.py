@@ -5,19 +5,26 @@ while the window is open; after it, they are a flag check and a direct call.
 A violation inside a forward of the family's model is held until that forward returns, so the one
 error names every layer kind that is wrong; anywhere else (an activation-checkpoint recompute
 inside backward, a call from outside the family's model classes) it refuses at once.
+
+The layer kinds (which guarded functions ran inside each layer call, judged when the forward
+returns) are guard.layer_watch's half of Guard; compiled code, which never reaches the methods
+here, is guard.compile_watch's.
 """
 from __future__ import annotations
 
 import os
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
-from families import Family
+from families import ATTENTION_PATH, Family
 from families.binding import describe
 from guard import batch as batch_mod
 from guard import graph, record, rules
+from guard.compile_watch import CompileWatch
+from guard.layer_watch import Binding, LayerRecord, LayerWatch
 from guard.settings import Settings
 
 UNATTRIBUTED_LIMIT = 256   # training calls seen outside the family's model classes before the window closes anyway
@@ -33,7 +40,7 @@ class FunctionRecord:
     fused: bool | None = None
     why: str = ""
     calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("forward_fused", "forward_torch", "backward_fused", "backward_torch", "recompute", "eval"), 0))
+        ("forward_fused", "forward_torch", "backward_fused", "backward_torch", "recompute", "eval", "compiled"), 0))
     forward_impls: set[str] = field(default_factory=set)
     backward_impls: set[str] = field(default_factory=set)
     packed_calls: int = 0
@@ -42,7 +49,7 @@ class FunctionRecord:
     override: str = ""
 
 
-class Guard:
+class Guard(LayerWatch, CompileWatch):
     def __init__(self, settings: Settings, family: Family, module_name: str):
         self.settings, self.family, self.module_name = settings, family, module_name
         self.active = True
@@ -63,6 +70,14 @@ class Guard:
         self.local = threading.local()     # depth and batch of the family-model forward on this thread
         self.lock = threading.RLock()
         self.window_ended = False
+        self.layers: dict[str, LayerRecord] = {}
+        self.layer_classes: dict[str, type] = {}     # kind -> its token-mixer class (guard.wrap)
+        self.bindings: list[Binding] = []
+        self.rebound: dict[str, str] = {}           # every rebinding seen in a training step
+        self.compiled_counts = {"training_forwards": 0, "eval_forwards": 0, "training_calls": 0}
+        self.compiled_where: list[str] = []         # what was first seen compiled (a few)
+        self.compiled_steps = 0                     # training steps of the window that ran compiled
+        self.silent = ""                            # why the guard vouches for nothing (compiled, allowed)
 
     # -- context ------------------------------------------------------------------------------------
     def context(self) -> tuple[batch_mod.Batch | None, bool]:
@@ -81,10 +96,11 @@ class Guard:
         if self.pending and getattr(self.local, "depth", 0) == 0:
             self.refuse()
 
-    def note_override(self, rec: FunctionRecord, override: str) -> None:
+    def note_override(self, rec: FunctionRecord | LayerRecord | None, override: str) -> None:
         if override and override not in self.overrides:
             self.overrides.append(override)
-            rec.override = override
+            if rec is not None:
+                rec.override = override
             record.log(f"override: {override}")
 
     def warn(self, message: str) -> None:
@@ -94,7 +110,7 @@ class Guard:
 
     # -- the family model's forward ----------------------------------------------------------------------
     def model_forward(self, original, signature, model, args, kwargs):
-        if getattr(self.local, "depth", 0) > 0 or torch.compiler.is_compiling():
+        if getattr(self.local, "depth", 0) > 0:
             return original(model, *args, **kwargs)
         training = bool(model.training and torch.is_grad_enabled())
         if training:
@@ -111,13 +127,23 @@ class Guard:
             arguments = dict(kwargs)
         batch = batch_mod.inspect_batch(arguments, training)
         self._count_batch(batch)
+        present = self._present(model) if training else Counter()
+        rebound = self.rebound_now() if training else {}
         self.local.depth, self.local.batch = 1, batch
+        self.local.tally, self.local.compiled_layers = {}, Counter()
+        returned = False
         try:
-            return original(model, *args, **kwargs)
+            out = original(model, *args, **kwargs)
+            returned = True
+            return out
         finally:
-            self.local.depth, self.local.batch = 0, None
+            tally, compiled_layers = self.local.tally, self.local.compiled_layers
+            self.local.depth, self.local.batch, self.local.tally = 0, None, None
             if training:
                 self.last_training = batch
+                # only a forward that returned hands on what its layers computed
+                if returned and self.active:
+                    self.violate(self._judge_layers(model, batch, tally, compiled_layers, present, rebound))
             if self.pending:
                 self.refuse()
 
@@ -148,8 +174,7 @@ class Guard:
 
     # -- a fused function (causal_conv1d_fn, chunk_gated_delta_rule) ---------------------------------------
     def fused(self, rec: FunctionRecord, call: rules.Call, original, args, kwargs):
-        if torch.compiler.is_compiling():
-            return original(*args, **kwargs)
+        self._mark(call.function)
         batch, recompute, training = self._training_context(rec)
         given = kwargs.get(call.boundary_kwarg) is not None
         if not training or not self.active:
@@ -173,8 +198,7 @@ class Guard:
 
     # -- the attention function a full-attention layer got from ALL_ATTENTION_FUNCTIONS -------------------
     def attention(self, rec: FunctionRecord, implementation: str, fn, args, kwargs):
-        if torch.compiler.is_compiling():
-            return fn(*args, **kwargs)
+        self._mark(ATTENTION_PATH)
         batch, recompute, training = self._training_context(rec)
         mask = args[4] if len(args) > 4 else kwargs.get("attention_mask")
         wanted = self.family.attention.implementation
@@ -250,12 +274,16 @@ class Guard:
             self.stop_checking()
             record.refuse(self)
 
+    def saw_anything(self) -> bool:
+        return bool(self.batches["training"] or self.batches["eval"] or any(self.compiled_counts.values())
+                    or any(sum(r.calls.values()) for r in self.records.values())
+                    or any(r.runs or r.recompute or r.outside or r.compiled or r.eval for r in self.layers.values()))
+
     def at_exit(self) -> None:
-        if os.getpid() != self.pid or not self.active:
-            return
-        if not (self.batches["training"] or self.batches["eval"] or any(
-                sum(r.calls.values()) for r in self.records.values())):
+        """The report of a process whose window never ended: what it saw, compiled forwards included."""
+        if os.getpid() != self.pid or not self.active or not self.saw_anything():
             return
         with self.lock:
             self.active = False
             record.publish(self, record.build(self))
+

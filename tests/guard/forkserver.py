@@ -8,6 +8,7 @@ Protocol: one JSON spec per stdin line, {"spec": {...}, "workdir": DIR}; one JSO
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -38,6 +39,9 @@ def child(spec: dict, workdir: Path) -> None:
     code = 0
     try:
         scenarios.run(spec, workdir)
+        # a process that ends runs its atexit handlers (the guard writes its report there when its
+        # window never ended); os._exit below skips them, so run them here, as `python` would
+        atexit._run_exitfuncs()
     except BaseException:  # noqa: BLE001 - the test reads the traceback from stderr.txt
         traceback.print_exc()
         code = 1

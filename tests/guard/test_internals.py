@@ -1,11 +1,15 @@
 """The guard's parts, one at a time: settings, packed-batch reading, the autograd-graph check,
-the decisions and the closure reading through the guard's own wrapper."""
+the decisions (a fused call, the attention, a layer kind's paths, torch.compile) and the closure
+reading through the guard's own wrapper."""
 from __future__ import annotations
 
 import functools
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from entrypoint.observability import console
 from families.binding import read_resolution
@@ -24,11 +28,14 @@ def test_settings_defaults_and_the_names_entrypoint_uses():
         assert settings.truthy(value) == console.truthy(value)
     assert settings.read({"FTIMAGE_ALLOW_FALLBACK": "1", "FTIMAGE_GUARD_STEPS": "5"}).steps == 5
     assert not settings.read({"FTIMAGE_GUARD": "OFF"}).enabled
+    assert not s.allow_compile and settings.read({"FTIMAGE_GUARD_ALLOW_COMPILE": " Yes "}).allow_compile
+    assert not settings.read({"FTIMAGE_GUARD_ALLOW_COMPILE": "0"}).allow_compile
 
 
 @pytest.mark.parametrize("env", [{"FTIMAGE_GUARD_STEPS": "0"}, {"FTIMAGE_GUARD_STEPS": "-1"},
                                  {"FTIMAGE_GUARD_STEPS": "2.5"}, {"FTIMAGE_GUARD_STEPS": "²"},
-                                 {"FTIMAGE_GUARD_STEPS": "9999999"}, {"FTIMAGE_GUARD": "maybe"}])
+                                 {"FTIMAGE_GUARD_STEPS": "9999999"}, {"FTIMAGE_GUARD": "maybe"},
+                                 {"FTIMAGE_GUARD_ALLOW_COMPILE": "maybe"}, {"FTIMAGE_GUARD_ALLOW_COMPILE": "2"}])
 def test_malformed_settings_are_one_problem_with_a_fix(env):
     with pytest.raises(settings.BadSetting) as info:
         settings.read(env)
@@ -193,3 +200,90 @@ def test_families_binding_reads_transformers_closure_through_the_guards_wrapper(
     through = read_resolution(wrapped, "causal_conv1d_fn")
     assert through.readable and through.implementation is plain.implementation
     assert through.func_name == "causal_conv1d_fn" and through.package == "causal_conv1d"
+
+
+# -- a layer kind: one of its complete fused paths must run in each call -----------------------------------
+GDN_PATHS = (("causal_conv1d_fn", "chunk_gated_delta_rule"),)
+MAMBA2_PATHS = (("mamba_split_conv1d_scan_combined",), ("causal_conv1d_fn", "mamba_chunk_scan_combined"))
+REBOUND = {"causal_conv1d_fn": "transformers.x.causal_conv1d_fn (transformers' torch reference itself, unwrapped)"}
+
+
+def layer(ran, paths=GDN_PATHS, rebound=None, packed=True, allow_fallback=False, runs=2):
+    return rules.layer_kind_call("linear_attention", "Qwen3_5GatedDeltaNet", runs, frozenset(ran), paths,
+                                 rebound or {}, packed, allow_fallback)
+
+
+def test_a_layer_kind_that_ran_while_its_functions_did_not_is_refused_naming_what_is_bound_now():
+    assert layer({"causal_conv1d_fn", "chunk_gated_delta_rule"}) == (None, "")
+    assert layer(set(), runs=0) == (None, "")          # a kind that never ran is not judged here
+    violation, override = layer(set(), rebound=REBOUND, packed=False, allow_fallback=True)
+    assert not override and violation.function == "linear_attention"
+    assert violation.message.startswith("linear_attention (Qwen3_5GatedDeltaNet) ran 2 time(s) without a complete "
+                                        "fused path (causal_conv1d_fn + chunk_gated_delta_rule)")
+    assert "causal_conv1d_fn is now transformers.x.causal_conv1d_fn (transformers' torch reference itself" \
+        in violation.message
+    assert "remove the code that rebinds them" in violation.fix[0]
+    violation, _ = layer(set())
+    assert "called none of the functions the guard checks" in violation.message
+    # the fallback override covers transformers' own code on an unpacked batch, never a packed one
+    assert layer(set(), packed=False, allow_fallback=True)[1].startswith("FTIMAGE_ALLOW_FALLBACK=1: linear_attention")
+    assert layer(set(), packed=None, allow_fallback=True)[0] is not None
+    attention, _ = rules.layer_kind_call("full_attention", "Qwen3_5Attention", 1, frozenset(), (("attention",),),
+                                         {}, True, False)
+    assert "the attention function from ALL_ATTENTION_FUNCTIONS.get_interface" in attention.message
+
+
+def test_a_partial_mamba2_path_is_refused_and_either_complete_path_passes():
+    assert layer({"mamba_split_conv1d_scan_combined"}, MAMBA2_PATHS) == (None, "")
+    assert layer({"causal_conv1d_fn", "mamba_chunk_scan_combined"}, MAMBA2_PATHS) == (None, "")
+    partial, _ = layer({"causal_conv1d_fn"}, MAMBA2_PATHS)
+    assert partial is not None and ": only causal_conv1d_fn ran" in partial.message
+    assert "(mamba_split_conv1d_scan_combined or causal_conv1d_fn + mamba_chunk_scan_combined)" in partial.message
+    assert layer({"mamba_chunk_scan_combined"}, MAMBA2_PATHS)[0] is not None
+    assert rules.complete_path({"causal_conv1d_fn", "mamba_chunk_scan_combined", "x"}, MAMBA2_PATHS) == \
+        ("causal_conv1d_fn", "mamba_chunk_scan_combined")
+
+
+FUNCTIONS = ("causal_conv1d_fn", "chunk_gated_delta_rule", "mamba_chunk_scan_combined",
+             "mamba_split_conv1d_scan_combined", "attention")
+NAMES = st.sampled_from(FUNCTIONS)
+PATHS = st.lists(st.lists(NAMES, min_size=1, max_size=3, unique=True).map(tuple), min_size=1, max_size=3).map(tuple)
+BOUND_NOW = st.text(alphabet="abcdefghijklmnopqrstuvwxyz._()", min_size=1, max_size=30)
+REBINDINGS = st.dictionaries(st.sampled_from(("causal_conv1d_fn", "torch_chunk_gated_delta_rule",
+                                              "ALL_ATTENTION_FUNCTIONS.get_interface")), BOUND_NOW, max_size=3)
+
+
+@hypothesis_settings(max_examples=200, deadline=None)
+@given(paths=PATHS, ran=st.frozensets(NAMES), rebound=REBINDINGS, runs=st.integers(1, 64),
+       packed=st.sampled_from((True, None, False)), allow_fallback=st.booleans())
+def test_a_layer_that_ran_passes_iff_some_complete_path_ran_and_a_rebinding_is_always_named(
+        paths, ran, rebound, runs, packed, allow_fallback):
+    violation, override = rules.layer_kind_call("k", "K", runs, ran, paths, rebound, packed, allow_fallback)
+    complete = any(set(path) <= ran for path in paths)
+    if complete:
+        assert violation is None and override == ""
+        return
+    if rebound or not (packed is False and allow_fallback):
+        assert violation is not None and not override and violation.fix
+        assert all(f"{name} is now {now}" in violation.message for name, now in rebound.items())
+    else:
+        assert violation is None and override.startswith("FTIMAGE_ALLOW_FALLBACK=1: k (K) ran")
+    assert rules.layer_kind_call("k", "K", 0, ran, paths, rebound, packed, allow_fallback) == (None, "")
+
+
+@hypothesis_settings(max_examples=200, deadline=None)
+@given(present=st.integers(0, 64), seen=st.integers(0, 64), bypass=st.lists(BOUND_NOW, max_size=3).map(tuple))
+def test_layers_the_model_holds_but_the_guard_did_not_see_run_are_refused(present, seen, bypass):
+    violation = rules.layers_unseen("linear_attention", "Qwen3_5GatedDeltaNet", present, seen, bypass)
+    assert (violation is not None) == (seen < present)
+    if violation is not None:
+        assert f"holds {present} Qwen3_5GatedDeltaNet layer(s)" in violation.message
+        assert all(b in violation.message for b in bypass)
+
+
+def test_a_compiled_training_forward_is_refused_naming_torch_compile_or_with_the_override_is_silent():
+    violation, override = rules.compiled_call("Qwen3_5ForCausalLM.forward", 2, allow_compile=False)
+    assert not override and violation.function == "torch.compile" and "ran under torch.compile" in violation.message
+    assert "first 2 training step(s)" in violation.fix[0] and "FTIMAGE_GUARD_ALLOW_COMPILE=1" in violation.fix[1]
+    violation, override = rules.compiled_call("Qwen3_5ForCausalLM.forward", 2, allow_compile=True)
+    assert violation is None and override.startswith("FTIMAGE_GUARD_ALLOW_COMPILE=1: ") and "silent" in override
