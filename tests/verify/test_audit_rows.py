@@ -18,11 +18,13 @@ from verify.checks import extensions as ext
 from verify.checks.dispatch import decide_function
 from verify.context import FusedNeed
 from verify.elf_facts import cuda_runtime_major, cxx11_abi_of, read_facts
+from verify.provenance import Verdict
 from verify.report import Status
 from verify.runner import ALL_CHECKS, CHECKS, UsageError, parse_checks, run_checks
 
 pytestmark = pytest.mark.unit
 
+ORIGIN = Verdict(True, "from fla-core 0.6.0: 3 module(s) loaded by the standard loaders, files matching its RECORD")
 NEW_ABI = "_ZN3c106detail14torchCheckFailEPKcS2_jRKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE"
 OLD_ABI = "_ZN3c106detail14torchCheckFailEPKcS2_jRKSs"
 
@@ -89,15 +91,15 @@ def test_a_fused_kernel_no_lock_lists_passes_in_an_audit_and_fails_against_a_loc
     res = Resolution("torch_chunk_gated_delta_rule", implementation=fused("fla.ops.gated_delta_rule"),
                      is_new=True, applicable_params=("q", "k", "v", "cu_seqlens"), package="fla")
     runtime = {"torch": 0, "fused": 2}
-    audit = decide_function(need, res, runtime, "", "", audit=True)
+    audit = decide_function(need, res, runtime, "", "", audit=True, provenance=ORIGIN)
     assert audit.status is Status.PASS and "no lock (--no-lock, an audit)" in audit.detail
-    assert decide_function(need, res, runtime, "", "").status is Status.FAIL
+    assert decide_function(need, res, runtime, "", "", provenance=ORIGIN).status is Status.FAIL
 
 
 def test_a_fallback_in_an_audit_names_the_package_to_install():
     need = FusedNeed("causal_conv1d_fn", "causal_conv1d_fn", "seq_idx", None)
     res = Resolution("causal_conv1d_fn", implementation=fused("transformers.x"), is_new=False, package="causal_conv1d")
-    row = decide_function(need, res, None, "", "`causal_conv1d` is not installed", audit=True)
+    row = decide_function(need, res, None, "", "`causal_conv1d` is not installed", audit=True, provenance=ORIGIN)
     assert row.status is Status.FAIL and "torch reference path" in row.detail
     assert "install `causal_conv1d` built for this image's torch and CUDA" in row.fix
 
@@ -106,15 +108,21 @@ def test_a_fallback_in_an_audit_names_the_package_to_install():
 
 def test_an_extension_whose_import_raises_undefined_symbol_fails_with_the_real_error():
     error = f"ImportError: /site/flash_attn_2_cuda.cpython-311-x86_64-linux-gnu.so: undefined symbol: {OLD_ABI}"
-    row = ext.decide_import("flash_attn", "flash_attn", "2.8.3", True, "", {"flash_attn_2_cuda": error})
+    row = ext.decide_import("flash_attn", "flash_attn", "2.8.3", True, "", {"flash_attn_2_cuda": error},
+                            provenance=ORIGIN)
     assert row.status is Status.FAIL and f"undefined symbol: {OLD_ABI}" in row.detail
     assert "`import flash_attn_2_cuda` raises" in row.detail and "ABI mismatch" in row.fix
 
 
 def test_a_package_that_imports_passes_and_an_absent_one_is_skip():
-    ok = ext.decide_import("causal_conv1d", "causal_conv1d", "1.7.0", True, "", {"causal_conv1d_cuda": ""})
+    ok = ext.decide_import("causal_conv1d", "causal_conv1d", "1.7.0", True, "", {"causal_conv1d_cuda": ""},
+                           provenance=ORIGIN)
     assert ok.status is Status.PASS and "causal_conv1d_cuda import" in ok.detail
-    assert ext.decide_import("fla", None, None, False, "", {}).status is Status.SKIP
+    hooked = Verdict(False, "`causal_conv1d` was served by an import hook: loader evil.Loader (defined in /s/evil.py)",
+                     "remove /s/evil.py from the image")
+    served = ext.decide_import("causal_conv1d", None, None, True, "", {}, provenance=hooked)
+    assert served.status is Status.FAIL and "/s/evil.py" in served.detail and "/s/evil.py" in served.fix
+    assert ext.decide_import("fla", None, None, False, "", {}, provenance=ORIGIN).status is Status.SKIP
 
 
 def facts(**kw):
@@ -174,12 +182,13 @@ def test_a_binding_that_caught_an_import_error_fails_with_that_error():
     res = Resolution("torch_chunk_gated_delta_rule", implementation=fused("transformers.models.qwen3_5"),
                      is_new=False, package="fla")
     why = "fla-core 0.6.0 is installed but `import fla` raises ImportError: libtriton.so: undefined symbol: _Zfoo"
-    row = ext.decide_binding("torch_chunk_gated_delta_rule", res, True, why)
+    row = ext.decide_binding("torch_chunk_gated_delta_rule", res, True, why, provenance=ORIGIN)
     assert row.status is Status.FAIL and "caught an import error" in row.detail and why in row.detail
     assert row.data["error"] == why
-    assert ext.decide_binding("torch_chunk_gated_delta_rule", res, False, "").status is Status.SKIP
+    assert ext.decide_binding("torch_chunk_gated_delta_rule", res, False, "", provenance=ORIGIN).status is Status.SKIP
     bound = Resolution("x", implementation=fused("fla.ops"), is_new=True, package="fla")
-    assert ext.decide_binding("x", bound, True, "").status is Status.PASS
+    assert ext.decide_binding("x", bound, True, "", provenance=ORIGIN).status is Status.PASS
+    assert ext.decide_binding("x", bound, True, "", provenance=None).status is Status.FAIL   # never read: fail closed
 
 
 def test_a_real_extension_with_an_undefined_torch_symbol(tmp_path, monkeypatch):

@@ -4,9 +4,10 @@ import pytest
 
 
 @pytest.mark.training  # a fresh interpreter running every check: ~10-20 s on 2 cores
-def test_bare_verify_on_cpu_exits_2_with_a_readable_table(run_verify):
-    code, out, err = run_verify()
+def test_bare_verify_on_cpu_exits_2_with_a_readable_table(run_verify, rows_by_check, tmp_path):
+    code, out, err = run_verify("--json-file", str(tmp_path / "verify.json"))
     assert code == 2, err
+    rows_by_check((tmp_path / "verify.json").read_text())   # every check's rows in one table agree
     assert "Traceback" not in out + err
     lines = out.splitlines()
     assert [c.strip() for c in lines[0].split("|")] == ["CHECK", "STATUS", "DETAIL", "FIX"]

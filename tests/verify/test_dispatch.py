@@ -7,6 +7,7 @@ from families import load_family
 from tests.fixtures.locks import manifest_kernel
 from verify.checks import dispatch
 from verify.context import Context, FusedNeed
+from verify.provenance import Verdict
 from verify.report import Status
 
 pytestmark = pytest.mark.unit
@@ -15,6 +16,12 @@ CONV_FN = next(f for f in FAMILY.fused_functions if f.function == "causal_conv1d
 LOCKED_CONV = manifest_kernel("causal-conv1d")
 CONV = FusedNeed(CONV_FN.function, CONV_FN.wrapper, CONV_FN.boundary_kwarg, LOCKED_CONV)
 UNLOCKED_CONV = FusedNeed(CONV_FN.function, CONV_FN.wrapper, CONV_FN.boundary_kwarg, None)
+# where the implementation came from (verify.provenance): these tests are about the other conditions
+ORIGIN = Verdict(True, "from causal-conv1d 1.7.0: 2 module(s) loaded by the standard loaders, files matching its "
+                 "RECORD")
+HOOKED = Verdict(False, "`causal_conv1d` was served by an import hook, not loaded from an installed distribution: "
+                 "loader evil.Loader (defined in /site/evil.py), installed by /site/evil.pth",
+                 "remove /site/evil.py, /site/evil.pth from the image and install the kernel from its wheel")
 
 
 @pytest.fixture
@@ -50,19 +57,24 @@ def test_reads_the_real_resolution_on_this_machine():
 def test_unreadable_wrapper_fails_with_a_fix():
     module = types.SimpleNamespace(__name__="m", causal_conv1d_fn=lambda x: x)
     res = dispatch.read_resolution(module, "causal_conv1d_fn")
-    row = dispatch.decide_function(CONV, res, None, "", "")
+    row = dispatch.decide_function(CONV, res, None, "", "", provenance=ORIGIN)
     assert row.status is Status.FAIL and "cannot read transformers' resolution" in row.detail
 
 
 def test_fused_resolution_passes_only_when_the_layer_really_called_it(fused_resolution):
     assert fused_resolution.is_new and "seq_idx" in fused_resolution.applicable_params
-    ok = dispatch.decide_function(CONV, fused_resolution, {"fused": 2, "torch": 0}, "", "")
+    ok = dispatch.decide_function(CONV, fused_resolution, {"fused": 2, "torch": 0}, "", "", provenance=ORIGIN)
     assert ok.status is Status.PASS, ok.detail
-    swapped = dispatch.decide_function(CONV, fused_resolution, {"fused": 0, "torch": 2}, "", "")
+    hooked = dispatch.decide_function(CONV, fused_resolution, {"fused": 2, "torch": 0}, "", "", provenance=HOOKED)
+    assert hooked.status is Status.FAIL and "/site/evil.py" in hooked.detail and "/site/evil.pth" in hooked.fix
+    unread = dispatch.decide_function(CONV, fused_resolution, {"fused": 2, "torch": 0}, "", "", provenance=None)
+    assert unread.status is Status.FAIL and "was not read" in unread.detail
+    swapped = dispatch.decide_function(CONV, fused_resolution, {"fused": 0, "torch": 2}, "", "", provenance=ORIGIN)
     assert swapped.status is Status.FAIL and "called the torch reference 2x" in swapped.detail
-    not_run = dispatch.decide_function(CONV, fused_resolution, None, "RuntimeError: no GPU", "")
+    not_run = dispatch.decide_function(CONV, fused_resolution, None, "RuntimeError: no GPU", "", provenance=ORIGIN)
     assert not_run.status is Status.FAIL and "no GPU" in not_run.detail
-    unlocked = dispatch.decide_function(UNLOCKED_CONV, fused_resolution, {"fused": 2, "torch": 0}, "", "")
+    unlocked = dispatch.decide_function(UNLOCKED_CONV, fused_resolution, {"fused": 2, "torch": 0}, "", "",
+                                        provenance=ORIGIN)
     assert unlocked.status is Status.FAIL and "the lock has no kernel" in unlocked.detail
 
 
@@ -70,7 +82,7 @@ def test_kernel_without_the_boundary_kwarg_fails(fused_resolution):
     from dataclasses import replace
 
     res = replace(fused_resolution, applicable_params=("x", "weight", "bias", "activation"))
-    row = dispatch.decide_function(CONV, res, {"fused": 2, "torch": 0}, "", "")
+    row = dispatch.decide_function(CONV, res, {"fused": 2, "torch": 0}, "", "", provenance=ORIGIN)
     assert row.status is Status.FAIL and "takes no `seq_idx`" in row.detail
 
 
@@ -88,23 +100,29 @@ def test_explain_fallback_reports_the_real_import_error(tmp_path, monkeypatch):
 
 def test_attention_decisions():
     attn = FAMILY.attention
-    assert dispatch.decide_attention(attn, "sdpa", "", "sdpa", None, {"torch": 2, "fused": 0}, "").status is Status.FAIL
+    sdpa = dispatch.decide_attention(attn, "sdpa", "", "sdpa", None, {"torch": 2, "fused": 0}, "", provenance=ORIGIN)
+    assert sdpa.status is Status.FAIL
     refused = dispatch.decide_attention(attn, "flash_attention_2", "FlashAttention2 ... not installed", None, None,
-                                        None, "`flash_attn` is present at /x but `import flash_attn` raises ...")
+                                        None, "`flash_attn` is present at /x but `import flash_attn` raises ...",
+                                        provenance=ORIGIN)
     assert refused.status is Status.FAIL and "raises" in refused.detail
 
     def flash_attn_varlen_func(q, k, v):
         return q
     flash_attn_varlen_func.__module__ = "flash_attn.flash_attn_interface"
     ok = dispatch.decide_attention(attn, "flash_attention_2", "", "flash_attention_2", flash_attn_varlen_func,
-                                   {"torch": 0, "fused": 2}, "")
+                                   {"torch": 0, "fused": 2}, "", provenance=ORIGIN)
     assert ok.status is Status.PASS
+    for origin in (HOOKED, None):   # the same flash_attn, served by an import hook or never read: not the kernel
+        row = dispatch.decide_attention(attn, "flash_attention_2", "", "flash_attention_2", flash_attn_varlen_func,
+                                        {"torch": 0, "fused": 2}, "", provenance=origin)
+        assert row.status is Status.FAIL and ("/site/evil.pth" in row.detail if origin else "not read" in row.detail)
     unlocked = dispatch.decide_attention(attn, "flash_attention_2", "", "flash_attention_2", flash_attn_varlen_func,
-                                         {"torch": 0, "fused": 2}, "", locked=False)
+                                         {"torch": 0, "fused": 2}, "", locked=False, provenance=ORIGIN)
     assert unlocked.status is Status.FAIL and "the lock has no kernel" in unlocked.detail
     flash_attn_varlen_func.__module__ = "kernels_community.flash_attn2"
     hub = dispatch.decide_attention(attn, "flash_attention_2", "", "flash_attention_2", flash_attn_varlen_func,
-                                    {"torch": 0, "fused": 2}, "")
+                                    {"torch": 0, "fused": 2}, "", provenance=ORIGIN)
     assert hub.status is Status.FAIL and "Kernel Hub" in hub.detail
 
 

@@ -139,3 +139,19 @@ def test_isolation_needs_cuda_when_asked_for_cuda(env_lock):
         pytest.skip("this machine has CUDA; the CPU-only branch cannot be exercised here")
     rows = isolation.run(Context(lock=env_lock, device="cuda", family=FAMILY))
     assert rows[0].status is Status.FAIL and "needs CUDA" in rows[0].detail
+
+
+def test_every_row_fails_when_a_kernel_the_probe_ran_is_not_the_image_s_own():
+    """What the probe measured through a hook-served function is that code's isolation, not the kernel's."""
+    from verify.provenance import Verdict
+
+    rows = decide_end_to_end(1e-7, 0.8, 1e-7, "w", FP32) + [decide_kind("conv", 1e-7, 0.7, FP32)]
+    own = Verdict(True, "from causal-conv1d 1.7.0", data={"distribution": "causal-conv1d 1.7.0"})
+    served = Verdict(False, "`fla` was served by an import hook: .pth /site/evil.pth", "remove /site/evil.pth")
+    kept = isolation.with_provenance(rows, {"causal_conv1d_fn": own})
+    assert [r.status for r in kept] == [Status.PASS] * 3 and "causal_conv1d_fn from causal-conv1d 1.7.0" in \
+        kept[2].detail
+    refused = isolation.with_provenance(rows, {"causal_conv1d_fn": own, "chunk_gated_delta_rule": served})
+    assert {r.status for r in refused} == {Status.FAIL} and all("/site/evil.pth" in r.fix for r in refused)
+    assert all(r.detail.startswith("not the image's kernels: chunk_gated_delta_rule") for r in refused)
+    assert isolation.with_provenance(rows, {}) == rows          # the torch path: nothing fused to vouch for

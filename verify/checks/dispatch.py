@@ -7,7 +7,9 @@ package "is not installed" even when the import failed for another reason (integ
 So we read the real resolution from the wrapper's closure, confirm by watching what the GDN layer
 instance calls at run time (the class is also decorated with use_kernelized_func), and re-import
 the package ourselves only to explain a fallback with the real exception (families.binding reads
-the closure and the exception; the runtime guard reads them there too).
+the closure and the exception; the runtime guard reads them there too). A fused function counts
+only where verify.provenance says its code came from the kernel's installed distribution, loaded
+by the standard loaders and served by no import hook.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from families import Attention
 from families.binding import Resolution, describe, explain_fallback, read_resolution
 from verify.calltrace import watch_calls
 from verify.context import Context, FusedNeed
+from verify.import_facts import Survey
+from verify.provenance import Verdict, judge_kernel, kind_of, refusal
 from verify.report import CheckResult, Status
 
 REQUIRES = ("transformers",)   # the modeling code whose dispatch these rows prove
@@ -41,10 +45,11 @@ def fallback_fix(need: FusedNeed, package: str, why: str, audit: bool = False) -
 
 
 def decide_function(need: FusedNeed, res: Resolution, runtime: dict[str, int] | None, runtime_error: str,
-                    why: str, audit: bool = False) -> CheckResult:
+                    why: str, audit: bool = False, *, provenance: Verdict | None) -> CheckResult:
     """Pure decision for one required fused function. `runtime` holds call counts of the fused
     and torch code objects during one packed forward of the probe model (None when not run).
-    audit: no lock was read (--no-lock), so a kernel no lock lists is what is being audited."""
+    audit: no lock was read (--no-lock), so a kernel no lock lists is what is being audited.
+    provenance: where the resolved implementation came from (None: not read, never a PASS)."""
     lock_kernel: LockedKernel | None = need.kernel
     name = f"dispatch.{need.function}"
     lock_note = (f"lock: {lock_kernel.distribution} {lock_kernel.version}" if lock_kernel
@@ -55,7 +60,8 @@ def decide_function(need: FusedNeed, res: Resolution, runtime: dict[str, int] | 
         return CheckResult(name, Status.FAIL, f"cannot read transformers' resolution: {res.error}",
                            "pin the transformers version verify/ was written for (see lock.transformers)")
     data: dict[str, Any] = {"implementation": describe(res.implementation), "is_new_implementation": res.is_new,
-                            "applicable_params": list(res.applicable_params), "runtime_calls": runtime}
+                            "applicable_params": list(res.applicable_params), "runtime_calls": runtime,
+                            "provenance": provenance.data if provenance else None}
     if not res.is_new:
         return CheckResult(
             name, Status.FAIL,
@@ -69,6 +75,9 @@ def decide_function(need: FusedNeed, res: Resolution, runtime: dict[str, int] | 
             name, Status.FAIL,
             f"resolved to {describe(res.implementation)}, not the {package} package (Kernel Hub?)",
             "set USE_HUB_KERNELS=0 and use the image's verified wheel", data)
+    if refused := refusal(provenance):
+        return CheckResult(name, Status.FAIL, f"resolved to {describe(res.implementation)}, but {refused[0]}",
+                           refused[1], data)
     if need.boundary_kwarg not in res.applicable_params:
         return CheckResult(
             name, Status.FAIL,
@@ -91,14 +100,17 @@ def decide_function(need: FusedNeed, res: Resolution, runtime: dict[str, int] | 
     return CheckResult(
         name, Status.PASS,
         f"{describe(res.implementation)} ({lock_note}); the GDN layer called it {runtime['fused']}x, the torch "
-        f"reference 0x; `{need.boundary_kwarg}` is accepted", data=data)
+        f"reference 0x; `{need.boundary_kwarg}` is accepted; {provenance.detail}", data=data)
 
 
 def decide_attention(required: Attention, promised: str, build_error: str, model_attn: str | None,
                      varlen_fn: Callable | None, runtime: dict[str, int] | None, why: str,
-                     locked: bool = True, package: str = "flash_attn", audit: bool = False) -> CheckResult:
+                     locked: bool = True, package: str = "flash_attn", audit: bool = False, *,
+                     provenance: Verdict | None) -> CheckResult:
+    """provenance: where varlen_fn came from (None: not read, never a PASS)."""
     name = "dispatch.attention"
-    data = {"promised": promised, "model": model_attn, "varlen_fn": describe(varlen_fn), "runtime_calls": runtime}
+    data = {"promised": promised, "model": model_attn, "varlen_fn": describe(varlen_fn), "runtime_calls": runtime,
+            "provenance": provenance.data if provenance else None}
     want = required.implementation
     if promised != want:
         return CheckResult(
@@ -122,6 +134,9 @@ def decide_attention(required: Attention, promised: str, build_error: str, model
                            f"flash attention resolved to {describe(varlen_fn)}, not the {package} "
                            "package (Kernel Hub fallback?)", "install the lock's flash-attn wheel; set "
                            "USE_HUB_KERNELS=0", data)
+    if refused := refusal(provenance):
+        return CheckResult(name, Status.FAIL, f"flash attention resolved to {describe(varlen_fn)}, but {refused[0]}",
+                           refused[1], data)
     if runtime.get("torch", 0) or not runtime.get("fused", 0):
         return CheckResult(name, Status.FAIL,
                            f"attention layers called torch attention {runtime.get('torch', 0)}x and "
@@ -131,7 +146,7 @@ def decide_attention(required: Attention, promised: str, build_error: str, model
         return CheckResult(name, Status.FAIL, f"{want} runs via {describe(varlen_fn)}, but the lock has no kernel "
                            f"replacing {required.replaces}: an unverified flash-attn", REBUILD, data)
     return CheckResult(name, Status.PASS, f"{want} via {describe(varlen_fn)}; called {runtime['fused']}x, torch "
-                       "attention 0x", data=data)
+                       f"attention 0x; {provenance.detail}", data=data)
 
 
 def decide_kernel_hub(kernels_version: str | None, hub_enabled: bool, model_use_kernels: bool) -> CheckResult:
@@ -209,6 +224,7 @@ def run(ctx: Context) -> list[CheckResult]:
     model_attn = model.config._attn_implementation if model is not None else wanted_attn
 
     rows = []
+    survey = Survey()
     for need in needs:
         res = resolutions[need.function]
         package = need.kernel.import_name if need.kernel else res.package
@@ -217,7 +233,9 @@ def run(ctx: Context) -> list[CheckResult]:
         why = "" if (res.is_new or not res.readable) else explain_fallback(package, symbol, distribution)
         per_fn = None if runtime is None else {
             "torch": runtime[f"{need.function}:torch"], "fused": runtime[f"{need.function}:fused"]}
-        rows.append(decide_function(need, res, per_fn, runtime_error, why, audit=ctx.no_lock))
+        origin = judge_kernel(survey.function_facts(res.implementation, *kind_of(package, ctx.lock))) \
+            if res.is_new else None
+        rows.append(decide_function(need, res, per_fn, runtime_error, why, audit=ctx.no_lock, provenance=origin))
 
     attn_runtime = None
     if runtime is not None and model_attn == family.attention.implementation:
@@ -225,11 +243,12 @@ def run(ctx: Context) -> list[CheckResult]:
                         "fused": runtime["attention:fused"]}
     from transformers import modeling_flash_attention_utils as fa_utils  # as in _kernels_state
 
+    varlen = fa_utils._flash_varlen_fn
+    attn_origin = judge_kernel(survey.function_facts(varlen, *kind_of(attn_package, ctx.lock))) if varlen else None
     rows.append(decide_attention(family.attention, wanted_attn, attn_error,
-                                 None if attn_error else model_attn,
-                                 fa_utils._flash_varlen_fn, attn_runtime, attn_why,
+                                 None if attn_error else model_attn, varlen, attn_runtime, attn_why,
                                  locked=attention is not None or ctx.no_lock, package=attn_package,
-                                 audit=ctx.no_lock))
+                                 audit=ctx.no_lock, provenance=attn_origin))
     kernels_version, hub_enabled = _kernels_state()
     rows.append(decide_kernel_hub(kernels_version, hub_enabled, bool(getattr(model, "use_kernels", False))))
     if runtime_error and all(r.status != Status.FAIL for r in rows):

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from contracts.lock import BuildLock, LockedKernel, LockedPackage
 from verify.context import Context
+from verify.import_facts import Survey
+from verify.provenance import MANIFEST_KINDS
 from verify.report import CheckResult, Status
 
 REBUILD = "rebuild the image with `python -m build`; do not pip install over a built image"
@@ -309,10 +311,27 @@ def run(ctx: Context) -> list[CheckResult]:
 NO_LOCK = "no lock (--no-lock, an audit)"
 
 
+def decide_kernels_on_disk(found: dict[str, tuple[str, str]]) -> CheckResult:
+    """Pure: the manifest's kernel packages where the standard finder would import them from (import
+    name -> (the distribution whose RECORD lists that file with its sha256, the file)), without a lock."""
+    shown = []
+    for package, (distribution, file) in found.items():
+        if distribution:
+            shown.append(f"{distribution} (`{package}`)")
+        elif file:
+            shown.append(f"`{package}` at {file}, which no installed distribution's RECORD vouches for")
+    absent = ", ".join(f"`{p}`" for p, (_, file) in found.items() if not file)
+    listed = "; ".join(shown) or "none"
+    return CheckResult("environment.kernels", Status.SKIP,
+                       f"{NO_LOCK}: no locked kernel wheels to compare; kernel packages on the path: {listed}"
+                       + (f"; not installed: {absent}" if absent else "") + "; the extensions rows prove each one",
+                       data={"kernels": {p: {"distribution": d, "file": f} for p, (d, f) in found.items()}})
+
+
 def without_lock(device_count: int, torch) -> list[CheckResult]:
     """The rows of an image without an ftimage lock: what is installed is reported, every
     comparison with a lock is SKIP, and what needs no lock is still checked: the driver
-    against the CUDA this torch was built for, and Triton's runtime when fla is installed."""
+    against the CUDA this torch was built for, and Triton's runtime when fla is on the path."""
     python = ".".join(map(str, sys.version_info[:3]))
     versions = {"python": python, "torch": _version("torch") or torch.__version__,
                 "torch_cuda": torch.version.cuda, "transformers": _version("transformers")}
@@ -327,12 +346,14 @@ def without_lock(device_count: int, torch) -> list[CheckResult]:
                                     "for)", driver.fix))
     rows.append(CheckResult("environment.versions", Status.SKIP, f"{shown}; {NO_LOCK}: nothing to compare them with",
                             data=versions))
-    rows.append(CheckResult("environment.kernels", Status.SKIP, f"{NO_LOCK}: no locked kernel wheels or RECORD "
-                            "hashes to compare; the extensions rows report each installed kernel"))
-    triton_kernels = [d for d in ("fla-core", "flash-linear-attention") if _version(d)]
-    if not triton_kernels:
-        rows.append(CheckResult("environment.triton_runtime", Status.SKIP, "no Triton kernel package (fla) is "
-                                "installed, so no JIT at run time"))
+    survey = Survey()
+    found = {package: survey.on_disk(package) for package in MANIFEST_KINDS}
+    rows.append(decide_kernels_on_disk(found))
+    triton = [p for p, (_, file) in found.items() if file and MANIFEST_KINDS[p][0] == "triton"]
+    if not triton:
+        names = ", ".join(p for p, (kind, _) in MANIFEST_KINDS.items() if kind == "triton")
+        rows.append(CheckResult("environment.triton_runtime", Status.SKIP, f"no Triton kernel package ({names}) is "
+                                "on the path, so no JIT at run time"))
         return rows
     cache = triton_cache_dir()
     rows.append(decide_triton_runtime(True, find_compiler(), Path(sysconfig.get_paths()["include"]) / "Python.h",

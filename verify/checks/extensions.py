@@ -7,14 +7,18 @@ transformers hides all of it: use_kernel_func_from_hub_with_fallback catches the
 at import time and quietly uses the torch reference. Per kernel package these rows say:
 
 - `extensions.<package>`: installed, and whether it and each compiled extension import (the
-  real error, e.g. "undefined symbol: _ZN3c10...");
+  real error, e.g. "undefined symbol: _ZN3c10..."), and where they came from: every loaded
+  module of it from an installed distribution's RECORD by the standard loaders, no import hook
+  serving it, and a cuda-extension's compiled module loaded from that same distribution
+  (verify.provenance);
 - `extensions.<package>.abi`: the C++ ABI (torch._C._GLIBCXX_USE_CXX11_ABI against the wheel's
   local version tag, else the std::string mangling of the torch symbols it expects) and the
   torch/CUDA version it was built for (its local version tag, its wheel file name, the
   libcudart it links);
 - `extensions.<package>.sass`: the archs in its fatbin against this GPU;
 - `extensions.binding.<wrapper>`: each of the modeling module's fallback bindings, and the
-  error it caught (families.binding.explain_fallback re-imports the package to get it).
+  error it caught (families.binding.explain_fallback re-imports the package to get it); a bound
+  kernel counts only where verify.provenance says it came from its distribution.
 
 Run by `verify --no-lock` (the audit of a foreign image: `python -m build audit IMAGE`), or by
 `--checks extensions` in any image.
@@ -34,6 +38,8 @@ from pathlib import Path
 from families.binding import Resolution, describe, explain_fallback, read_resolution, transformers_symbol
 from verify.context import Context
 from verify.elf_facts import NotElf, cuda_runtime_major, cxx11_abi_of, read_facts
+from verify.import_facts import Survey
+from verify.provenance import Verdict, judge_kernel, kind_of, refusal
 from verify.report import CheckResult, Status
 
 REQUIRES = ("transformers",)   # the bindings live in its modeling code
@@ -84,11 +90,13 @@ def parse_built_for(version: str, wheel_name: str = "") -> BuiltFor:
 
 
 def decide_import(package: str, distribution: str | None, version: str | None, installed: bool, error: str,
-                  extension_errors: dict[str, str]) -> CheckResult:
-    """Pure: the package and each compiled extension module (module -> error, "" if it imports)."""
+                  extension_errors: dict[str, str], *, provenance: Verdict | None) -> CheckResult:
+    """Pure: the package and each compiled extension module (module -> error, "" if it imports), and
+    where the imported package came from (None: not read, which never passes)."""
     row = f"extensions.{package}"
     name = f"{distribution} {version}" if distribution and version else f"`{package}`"
-    data = {"distribution": distribution, "version": version, "extensions": extension_errors}
+    data = {"distribution": distribution, "version": version, "extensions": extension_errors,
+            "provenance": provenance.data if provenance else None}
     if not installed:
         return CheckResult(row, Status.SKIP, f"`{package}` is not installed (the dispatch rows say what transformers "
                            "runs instead)", data=data)
@@ -103,8 +111,10 @@ def decide_import(package: str, distribution: str | None, version: str | None, i
                "torch, CUDA and Python")
         return CheckResult(row, Status.FAIL, f"{name} is installed but {shown}", fix, data)
     modules = ", ".join(extension_errors) or "no compiled extension"
-    return CheckResult(row, Status.PASS, f"{name} imports; {modules}" + (" import" if extension_errors else ""),
-                       data=data)
+    imports = f"{name} imports; {modules}" + (" import" if extension_errors else "")
+    if refused := refusal(provenance):
+        return CheckResult(row, Status.FAIL, f"{imports}, but {refused[0]}", refused[1], data)
+    return CheckResult(row, Status.PASS, f"{imports}; {provenance.detail}", data=data)
 
 
 def decide_abi(package: str, facts: AbiFacts) -> CheckResult:
@@ -183,16 +193,22 @@ def decide_sass(package: str, sass: tuple[int, ...], ptx: tuple[int, ...], gpu: 
                        "for execution on the device\")", fix, data)
 
 
-def decide_binding(wrapper: str, res: Resolution, installed: bool, why: str) -> CheckResult:
-    """Pure: one use_kernel_func_from_hub_with_fallback binding and what it caught at import."""
+def decide_binding(wrapper: str, res: Resolution, installed: bool, why: str, *,
+                   provenance: Verdict | None) -> CheckResult:
+    """Pure: one use_kernel_func_from_hub_with_fallback binding, what it caught at import, and where
+    a bound kernel came from (None: not read, which never passes)."""
     row = f"extensions.binding.{wrapper}"
-    data = {"package": res.package, "implementation": describe(res.implementation), "is_new": res.is_new}
+    data = {"package": res.package, "implementation": describe(res.implementation), "is_new": res.is_new,
+            "provenance": provenance.data if provenance else None}
     if not res.readable:
         return CheckResult(row, Status.FAIL, f"cannot read the binding: {res.error}",
                            "audit with the transformers version verify/ was written for", data)
+    if res.is_new and (refused := refusal(provenance)):
+        return CheckResult(row, Status.FAIL, f"bound to {describe(res.implementation)} from `{res.package}`, but "
+                           f"{refused[0]}", refused[1], data)
     if res.is_new:
         return CheckResult(row, Status.PASS, f"bound to {describe(res.implementation)} from `{res.package}`; "
-                           "caught nothing", data=data)
+                           f"caught nothing; {provenance.detail}", data=data)
     if not installed:
         return CheckResult(row, Status.SKIP, f"`{res.package}` is not installed, so the binding fell back to "
                            f"{describe(res.implementation)} (the dispatch rows say what that costs)", data=data)
@@ -272,14 +288,18 @@ def _import_error(module: str) -> str:
     return ""
 
 
-def package_rows(inst: Installed, gpu: tuple[int, int] | None) -> list[CheckResult]:
+def package_rows(inst: Installed, gpu: tuple[int, int] | None, survey: Survey | None = None,
+                 kind: tuple[str, str] = ("", "")) -> list[CheckResult]:
+    """kind: (kind, compiled extension) from the lock, or the manifest's catalogue (provenance.kind_of)."""
     import torch  # see run()
 
     if not inst.present:
-        return [decide_import(inst.package, None, None, False, "", {})]
+        return [decide_import(inst.package, None, None, False, "", {}, provenance=None)]
     error = _import_error(inst.package)
-    rows = [decide_import(inst.package, inst.distribution, inst.version, True, error,
-                          {m: _import_error(m) for m in inst.extensions})]
+    errors = {m: _import_error(m) for m in inst.extensions}
+    # read after the imports: the facts are about the modules this process really loaded
+    origin = judge_kernel((survey or Survey()).package_facts(inst.package, *kind)) if not error else None
+    rows = [decide_import(inst.package, inst.distribution, inst.version, True, error, errors, provenance=origin)]
     sass: set[int] = set()
     ptx: set[int] = set()
     undefined: list[str] = []
@@ -301,6 +321,11 @@ def package_rows(inst: Installed, gpu: tuple[int, int] | None) -> list[CheckResu
                      extensions=tuple(inst.extensions))
     rows.append(decide_abi(inst.package, facts))
     rows.append(decide_sass(inst.package, tuple(sorted(sass)), tuple(sorted(ptx)), gpu, bool(inst.extensions)))
+    if kind[0] == "cuda-extension" and not inst.extensions:
+        # not "pure Python": the lock (or the manifest) says this package is compiled
+        why = (f"no compiled extension found, though `{inst.package}` is a cuda-extension kernel ({kind[1]}): "
+               f"see extensions.{inst.package}")
+        rows[1:] = [CheckResult(r.check, r.status, why, r.fix, r.data) for r in rows[1:]]
     return rows
 
 
@@ -337,12 +362,15 @@ def run(ctx: Context) -> list[CheckResult]:
         wanted.update((r.package, None) for r in bindings.values() if r.package)
         wanted.setdefault(ATTENTION_PACKAGE, None)
     rows = []
+    survey = Survey()
     for package, distribution in wanted.items():
-        rows.extend(package_rows(locate(package, distribution), gpu))
+        rows.extend(package_rows(locate(package, distribution), gpu, survey, kind_of(package, ctx.lock)))
     for wrapper, res in bindings.items():
         installed = _find_spec(res.package) is not None if res.package else False
         symbol, distribution = transformers_symbol(res)
         why = "" if res.is_new or not res.readable else explain_fallback(
             res.package, symbol, locate(res.package).distribution or distribution)
-        rows.append(decide_binding(wrapper, res, installed, why))
+        origin = judge_kernel(survey.function_facts(res.implementation, *kind_of(res.package, ctx.lock))) \
+            if res.is_new and res.readable else None
+        rows.append(decide_binding(wrapper, res, installed, why, provenance=origin))
     return rows

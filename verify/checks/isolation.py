@@ -4,7 +4,10 @@ The probe (verify/packing_probe.py) runs the tiny model on documents packed the 
 contracts.collate packs them, and on the same documents one at a time. Each layer kind is
 compared on identical inputs (teacher forcing), so a leak is attributed to the kind that causes
 it. A negative control withholds the boundary information: if that does not change the output
-either, the probe cannot see a leak and the check FAILs as blind rather than passing.
+either, the probe cannot see a leak and the check FAILs as blind rather than passing. And the
+probe proves the kernels only where they are the image's: when verify.provenance refuses a fused
+function the model ran (an import hook served it, or its files are in no installed RECORD), every
+row FAILs, since that hook's code ran in this process and in the model's forward.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ from dataclasses import dataclass
 
 from families.binding import read_resolution
 from verify.context import Context
+from verify.import_facts import Survey
+from verify.provenance import Verdict, judge_kernel, kind_of
 from verify.report import CheckResult, Status
 
 REQUIRES = ("transformers",)   # the modeling code whose dispatch these rows prove
@@ -127,6 +132,19 @@ def judge(measurement, tol: Tolerance, conv_note: str = "") -> list[CheckResult]
     return rows
 
 
+def with_provenance(rows: list[CheckResult], verdicts: dict[str, Verdict]) -> list[CheckResult]:
+    """Pure: every row FAILs when any fused function the probe ran is not the image's own kernel
+    (what it measured is that code's isolation, not the kernels'); else the rows say where they came from."""
+    refused = {what: v for what, v in verdicts.items() if not v.ok}
+    if not refused:
+        note = ", ".join(f"{what} from {v.data.get('distribution')}" for what, v in verdicts.items())
+        return [CheckResult(r.check, r.status, f"{r.detail}; fused: {note}" if note else r.detail, r.fix, r.data)
+                for r in rows]
+    what, worst = next(iter(refused.items()))
+    return [CheckResult(r.check, Status.FAIL, f"not the image's kernels: {what}: {worst.detail}; measured: {r.detail}",
+                        worst.fix, {**r.data, "provenance": {w: v.data for w, v in refused.items()}}) for r in rows]
+
+
 def run(ctx: Context) -> list[CheckResult]:
     # torch, and the modules that import it, only when the check runs: the runner imports this module
     # outside the try that makes a crash a FAIL row
@@ -168,4 +186,22 @@ def run(ctx: Context) -> list[CheckResult]:
     if note:
         attn_note += f"; {note}"
     rows[0] = CheckResult(rows[0].check, rows[0].status, f"{rows[0].detail}; {attn_note}", rows[0].fix, rows[0].data)
-    return rows
+    return with_provenance(rows, _verdicts(ctx, module, model))
+
+
+def _verdicts(ctx: Context, module, model) -> dict[str, Verdict]:
+    """Where each fused function the probe ran came from (the torch fallbacks are transformers' own)."""
+    survey, found = Survey(), {}
+    for fused in ctx.family.fused_functions:
+        res = read_resolution(module, fused.wrapper)
+        if res.is_new:
+            found[fused.function] = judge_kernel(survey.function_facts(res.implementation,
+                                                                        *kind_of(res.package, ctx.lock)))
+    if model.config._attn_implementation == "flash_attention_2":
+        from transformers import modeling_flash_attention_utils as fa_utils  # only when the check runs
+
+        package = ctx.attention_kernel.import_name if ctx.attention_kernel else "flash_attn"
+        if fa_utils._flash_varlen_fn is not None:
+            found["attention"] = judge_kernel(survey.function_facts(fa_utils._flash_varlen_fn,
+                                                                    *kind_of(package, ctx.lock)))
+    return found
