@@ -3,9 +3,11 @@
 it, and see a push to a registry that is down fail with a clear error."""
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import socket
+import subprocess
 
 import docker
 import pytest
@@ -116,6 +118,73 @@ def test_gate_runs_under_the_k8s_security_context(pushed, engine, smoke_image):
         assert allowed.logs(stderr=False).decode().strip() == "10001"
     finally:
         allowed.remove(force=True)
+
+
+# ---- the pushed image read by the other runtimes a cluster uses ---------------------------------------
+# Kubernetes nodes pull through containerd's CRI, not dockerd: containerd (the one dockerd runs, in a
+# namespace of its own here) must see the manifest digest and diffIDs the build recorded, and run the
+# image with runc. skopeo copies it between a registry and an OCI layout without changing its digest.
+CONTAINERD = ["ctr", "--address", "/run/docker/containerd/containerd.sock", "--namespace", "ftimage-test"]
+
+
+def ctr(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([*CONTAINERD, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def ctr_json(digest: str) -> dict:
+    done = ctr("content", "get", digest)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def in_containerd(pushed):
+    """The pushed image, pulled by digest into containerd (plain HTTP: the registry is on loopback)."""
+    reference = pushed["report"]["pushed"]["reference"]
+    done = ctr("images", "pull", "--plain-http", reference)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    yield reference
+    ctr("images", "rm", reference)
+
+
+def test_containerd_pulls_the_pushed_image_with_the_recorded_digest_and_diff_ids(in_containerd, pushed):
+    record, report = pushed["report"]["pushed"], pushed["report"]
+    listed = ctr("images", "ls")
+    line = next(row for row in listed.stdout.splitlines() if row.startswith(in_containerd))
+    assert record["digest"] in line.split(), line
+    manifest = ctr_json(record["digest"])
+    config = ctr_json(manifest["config"]["digest"])
+    assert config["rootfs"]["diff_ids"] == report["diff_ids"]
+    assert report["manifest_digest"] == record["digest"]
+
+
+@pytest.mark.parametrize("command, expected", [
+    (["info"], 0),
+    (["verify", "--device", "cpu", "--checks", "environment,dispatch"], 2),   # the CPU image fails closed
+])
+def test_containerd_runs_the_image_with_runc(in_containerd, command, expected):
+    name = f"ftimage-test-{command[0]}"
+    ctr("containers", "rm", name)
+    done = ctr("run", "--rm", "--env", "OMP_NUM_THREADS=1", in_containerd, name,
+               "/opt/ftimage/venv/bin/python", "-I", "-m", "entrypoint", *command, timeout=900)
+    assert done.returncode == expected, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stdout + done.stderr
+    if command == ["info"]:
+        assert "torch" in done.stdout
+
+
+def test_skopeo_copies_the_pushed_image_to_a_layout_and_back_with_the_same_digest(pushed, tmp_path):
+    record = pushed["report"]["pushed"]
+    layout = f"oci:{tmp_path / 'layout'}:copied"
+    back = f"{pushed['repository']}:skopeo-roundtrip"
+    for source, dest in ((f"docker://{record['reference']}", layout), (layout, f"docker://{back}")):
+        done = subprocess.run(["skopeo", "copy", "--preserve-digests", "--src-tls-verify=false",
+                               "--dest-tls-verify=false", source, dest], capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-2000:]
+    raw = subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false", f"docker://{back}"],
+                         capture_output=True, timeout=300)
+    assert raw.returncode == 0, raw.stderr[-2000:]
+    assert "sha256:" + hashlib.sha256(raw.stdout).hexdigest() == record["digest"]
 
 
 def bridge_gateway(docker_api) -> str | None:
