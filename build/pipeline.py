@@ -61,7 +61,23 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
     """Build the image `plan` describes and (unless `write_report` is False) write its build
     report. `remote`: the remote cache, read for what the local cache lacks; the kernel entries
     this build used are pushed right after the kernel stage, its layers are queued on it for
-    `build_and_publish` to push after any image push."""
+    `build_and_publish` to push after any image push.
+
+    A kernel wheel fetched from a registry that fails the image's check stage is evicted there
+    (and named); the build then runs once more, which compiles it: a build succeeds only with
+    wheels that passed the in-image checks."""
+    options = dict(cache=cache, out_dir=out_dir, log=log, engine=engine, force=force, builder=builder,
+                   remote=remote, write_report=write_report)
+    try:
+        return _build_image(plan, **options)
+    except kernel_stage.EvictedKernels as exc:
+        log.emit("build", f"building again: {', '.join(exc.names)} failed the in-image checks as fetched, and "
+                          "are compiled this time")
+        return _build_image(plan, **options)
+
+
+def _build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: EventLog, engine: Engine | None,
+                 force: bool, builder: str, remote: RemoteCache | None, write_report: bool) -> BuildReport:
     started = time.monotonic()
     folder_guard.claim(out_dir, folder_guard.OUTPUT_MARKER, what="output folder", option="--out", force=force)
     timer = PhaseTimer(log)
@@ -128,7 +144,8 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
     else:
         _classic_build(plan, engine, context, labels, report, log, timer)
     with timer("check"):
-        kernel_stage.check_image(plan, engine=engine, image=plan.tag, log=log)
+        kernel_stage.check_image(plan, engine=engine, image=plan.tag, log=log, provided=provided, cache=cache,
+                                 refuse=remote.refuse_kernel if remote else None)
     with timer("prune"):
         report.pruned += prune_superseded(engine, plan, report.image_id, log)
     report.phase_seconds = {k: round(v, 2) for k, v in timer.seconds.items()}

@@ -101,8 +101,13 @@ def main(argv: list[str]) -> int:
             print(f"  skipped {skipped_key[:16]}: {why} (the next build that needs it rebuilds it)", file=sys.stderr)
         return EXIT_OK
     public = signing.load_public_key(args.key) if args.key else None
+    # an entry's inputs name its torch by the wheel's sha256: the manifest's toolchains say which version that is
+    manifest = load_manifest(args.manifest or MANIFEST_PATH)
+    torch_versions = {wheel.sha256: toolchain.torch_version for toolchain in manifest.toolchains.values()
+                      for wheel in toolchain.torch_wheels.values()}
     imported, rejected = portable.import_from(store, args.directory, public_key=public,
-                                              trust_unsigned=args.trust_unsigned, log=log)
+                                              trust_unsigned=args.trust_unsigned, log=log,
+                                              torch_versions=torch_versions)
     print(f"imported {len(imported)} entries; refused {len(rejected)}")
     for key, why in rejected:
         print(f"  refused {key[:64]}: {why}", file=sys.stderr)

@@ -1,5 +1,8 @@
 """`python -m build IMAGE_DIR --plan [--json]`: the resolved plan, each kernel's cache state and
-expected compile cost, and each layer's key and state. Nothing is built, fetched or written."""
+expected compile cost, and each layer's key and state. Nothing is built or written; of a registry
+kernel entry only its manifest, signature and meta.json are read (checked as a build checks
+them before downloading the wheel), so a kernel is `in registry, not yet checked`, never
+`hit registry`."""
 from __future__ import annotations
 
 import json

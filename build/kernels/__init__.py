@@ -2,8 +2,10 @@
 
 Compiled kernels: a cache hit (zero compilation, whatever else changed) or a compile from the
 pinned sdist with recipe.py (in a builder container, compile.py; or on this host, build_here.py),
-the GPU-free checks, then the cache. Triton kernels (pure Python) are pinned wheels, fetched
-and hash-checked. After the image is built, the same checks run again inside it.
+the GPU-free checks, then the cache. A registry hit is checked against the key's own inputs
+before it enters the cache (acceptance.py). Triton kernels (pure Python) are pinned wheels,
+fetched and hash-checked. After the image is built, the in-container checks run again inside
+it for every kernel wheel; a fetched one that fails them is evicted and compiled instead.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 from build.cache import CacheLayout
 from build.engine import Engine
 from build.errors import BuildFailure
+from build.kernels.acceptance import Expected
 from build.kernels.compile import compile_kernel, parallel_jobs
 from build.kernels.pinned_sources import fetch_pinned
 from build.kernels.store import KernelEntry, KernelStore
@@ -33,13 +36,14 @@ from build.kernels.wheel_checks import (
 from build.resolve import BuildPlan
 from contracts.events import EventLog, format_seconds
 
-__all__ = ["KernelWheel", "ProvidedKernels", "provide_kernels", "expected_costs", "check_image",
-           "check_wheel_in_image"]
+__all__ = ["EvictedKernels", "Expected", "KernelWheel", "ProvidedKernels", "provide_kernels", "expected_costs",
+           "check_image", "check_wheel_in_image"]
 
 
 # asked for a compiled kernel the local cache lacks (the remote cache, build/remote_cache/): it
-# publishes the entry into the store (whose lock for that key the caller holds) and returns it
-RemoteFetch = Callable[[KernelStore, str], "KernelEntry | None"]
+# checks the entry against the key's own inputs, publishes it into the store (whose lock for
+# that key the caller holds) and returns it
+RemoteFetch = Callable[[KernelStore, Expected], "KernelEntry | None"]
 
 
 @dataclass
@@ -71,7 +75,7 @@ def provide_kernels(plan: BuildPlan, *, cache: CacheLayout, engine: Engine, log:
                          key=kernel.key[:16])
                 provided.states[kernel.name] = "hit local"
                 entry = state.entry
-            elif remote is not None and (fetched := remote(store, kernel.key)) is not None:
+            elif remote is not None and (fetched := remote(store, Expected.of(kernel, plan.toolchain))) is not None:
                 log.emit("kernels", f"remote cache hit: {kernel.name} {kernel.version}", step=kernel.name,
                          key=kernel.key[:16])
                 provided.states[kernel.name] = "hit registry"
@@ -92,10 +96,10 @@ def provide_kernels(plan: BuildPlan, *, cache: CacheLayout, engine: Engine, log:
 
 
 def expected_costs(plan: BuildPlan, cache: CacheLayout,
-                   remote_state: Callable[[str], str] | None = None) -> dict[str, tuple[str, str]]:
+                   remote_state: Callable[[Expected], str] | None = None) -> dict[str, tuple[str, str]]:
     """For `--plan`: per kernel key, (cache state, expected compile cost on this host).
-    `remote_state`: the remote cache's answer for a key the local cache lacks ("hit registry"
-    or why not)."""
+    `remote_state`: the remote cache's answer for a key the local cache lacks ("in registry, not
+    yet checked (...)" once what needs no download passed, else "miss" or why not)."""
     store = KernelStore(cache)
     states = {}
     for kernel in plan.kernels:
@@ -106,27 +110,74 @@ def expected_costs(plan: BuildPlan, cache: CacheLayout,
         if state.entry:
             states[kernel.key] = ("hit local", "0s (cached)")
             continue
-        remote = remote_state(kernel.key) if remote_state is not None else "miss"
-        if remote == "hit registry":
-            states[kernel.key] = ("hit registry", "0s (download)")
-            continue
+        remote = remote_state(Expected.of(kernel, plan.toolchain)) if remote_state is not None else "miss"
         label = remote if state.state == "miss" else f"CORRUPT: {state.detail}; will rebuild"
         if kernel.estimate:
             jobs = parallel_jobs(kernel.memory_per_job_gb)
             wall = kernel.estimate.wall_seconds(jobs)
-            states[kernel.key] = (label, f"~{format_seconds(wall)} ({kernel.estimate.sources} sources, "
-                                         f"{jobs} job(s) here)")
+            cost = f"~{format_seconds(wall)} ({kernel.estimate.sources} sources, {jobs} job(s) here)"
         else:
             recorded = store.recorded_duration(kernel.name)
-            states[kernel.key] = (label, f"~{format_seconds(recorded)} (recorded build, other inputs)"
-                                  if recorded else "unknown (never built here)")
+            cost = f"~{format_seconds(recorded)} (recorded build, other inputs)" if recorded else \
+                "unknown (never built here)"
+        if remote.startswith("in registry"):
+            cost = f"0s (download) once its wheel passes its checks, else {cost}"
+        states[kernel.key] = (label, cost)
     return states
 
 
-def check_image(plan: BuildPlan, *, engine: Engine, image: str, log: EventLog) -> list[CheckRow]:
-    """Re-run the GPU-free checks inside the built image, as its runtime user, without network."""
-    return _run_checks(engine, image, kernel_check_config(None, plan=plan, check_lock=True), log=log,
-                       what=f"image {image}", isolated=True)
+class EvictedKernels(BuildFailure):
+    """Kernel wheels fetched from a registry failed the in-image checks and were evicted from the
+    local cache: a build started again compiles them."""
+
+    def __init__(self, names: list[str], rows: list[CheckRow], image: str):
+        super().__init__(f"image {image}: the wheels of {', '.join(names)}, fetched from a registry, failed the "
+                         f"in-image checks and were evicted from the local cache\n{render_rows(rows)}",
+                         "build again: they are compiled this time")
+        self.names = names
+
+
+def check_image(plan: BuildPlan, *, engine: Engine, image: str, log: EventLog, provided: ProvidedKernels | None = None,
+                cache: CacheLayout | None = None, refuse: Callable[[str, str], None] | None = None) -> list[CheckRow]:
+    """Re-run the GPU-free checks inside the built image, as its runtime user, without network:
+    import/ABI and entry points for every kernel wheel in the image, fetched or compiled.
+
+    With `provided` and `cache`: a kernel whose wheel came from a registry (its meta.json's
+    `fetched_from`: this build's fetch or an earlier one's) and fails here while the image's own
+    rows (lock, torch) pass is evicted from the local cache and named: `refuse(key, why)` (the
+    remote cache's WARN), else a WARN here. Then EvictedKernels, unless a kernel compiled here
+    failed too (that build fails as any other)."""
+    config = kernel_check_config(None, plan=plan, check_lock=True)
+    rows = _run_checks(engine, image, config, log=log, what=f"image {image}", isolated=True, fail=False)
+    failed = [r for r in rows if r.status == "FAIL"]
+    if failed and provided is not None and cache is not None and \
+            not any(r.subject in ("image", "torch") for r in failed):   # else the image is at fault, not a wheel
+        evicted = _evict_fetched(plan, failed, provided, KernelStore(cache), log, refuse)
+        if evicted and all(r.subject in evicted for r in failed):
+            raise EvictedKernels(evicted, rows, image)
+    fail_on(rows, f"image {image}: not sound")
+    return rows
+
+
+def _evict_fetched(plan: BuildPlan, failed: list[CheckRow], provided: ProvidedKernels, store: KernelStore,
+                   log: EventLog, refuse: Callable[[str, str], None] | None) -> list[str]:
+    evicted = []
+    for kernel in plan.kernels:
+        entry = provided.entries.get(kernel.key)
+        rows = [r for r in failed if r.subject == kernel.name]
+        if entry is None or not rows or not entry.meta.get("fetched_from"):
+            continue
+        why = "it failed the in-image checks (" + "; ".join(f"{r.check}: {r.detail}" for r in rows)[:300] + ")"
+        with store.lock(kernel.key):
+            store.evict(kernel.key)
+        if refuse is not None:
+            refuse(kernel.key, why)
+        else:
+            log.emit("kernels", f"WARN: kernel cache entry {kernel.key} ({kernel.name}, fetched from "
+                     f"{str(entry.meta['fetched_from'])[:120]}) evicted: {why}; compiling it here instead",
+                     step=kernel.name)
+        evicted.append(kernel.name)
+    return evicted
 
 
 def check_wheel_in_image(wheel: Path, kernel, *, engine: Engine, image: str, log: EventLog) -> list[CheckRow]:
@@ -152,7 +203,7 @@ def check_wheel_in_image(wheel: Path, kernel, *, engine: Engine, image: str, log
 
 
 def _run_checks(engine: Engine, image: str, config: dict, *, log: EventLog, what: str, isolated: bool = False,
-                **run_options) -> list[CheckRow]:
+                fail: bool = True, **run_options) -> list[CheckRow]:
     # -I (isolated): neither the working directory nor PYTHON* variables can change what runs
     flags = ["-I"] if isolated else []
     result = engine.run(image, [*flags, "-c", CHECK_SCRIPT.read_text(), json.dumps(config)], entrypoint=["python"],
@@ -162,5 +213,6 @@ def _run_checks(engine: Engine, image: str, config: dict, *, log: EventLog, what
         raise BuildFailure(f"the checks did not run for {what} (exit {result.exit_code}):\n{result.output[-1500:]}",
                            "the image's python or torch is broken; see the output above")
     log.emit("check", f"checks for {what}:\n{render_rows(rows)}")
-    fail_on(rows, f"{what}: not sound")
+    if fail:
+        fail_on(rows, f"{what}: not sound")
     return rows

@@ -30,6 +30,7 @@ from build import proc
 from build.cache import CacheLayout, sha256_file
 from build.context.lockfile import make_lock
 from build.errors import BuildFailure
+from build.kernels.acceptance import Expected
 from build.kernels.archs import archs_of_wheel
 from build.kernels.compile import RECIPE, entry_meta, parallel_jobs, stage_inputs
 from build.kernels.pinned_sources import fetch_pinned
@@ -39,10 +40,12 @@ from build.kernels.wheel import KernelWheel
 from build.kernels.wheel_checks import (
     CheckRow,
     arch_rows,
+    dist_info_rows,
     fail_on,
     kernel_check_config,
     parse_rows,
     render_rows,
+    tag_rows,
     version_rows,
 )
 from build.resolve import BuildPlan, KernelPlan
@@ -135,6 +138,9 @@ def compile_here(kernel: KernelPlan, plan: BuildPlan, *, cache: CacheLayout, wor
     observed = json.loads((out / "observed.json").read_text())
     report = archs_of_wheel(wheels[0])
     rows += version_rows(kernel.name, observed, plan.toolchain) + arch_rows(kernel.name, report, kernel.archs)
+    # no platform: a host plan's key names the image's platform, which need not be this host's
+    rows += tag_rows(kernel.name, wheels[0].name, python=plan.toolchain.python, platform=None)
+    rows += dist_info_rows(kernel.name, wheels[0])
     return HostKernel(name=kernel.name, wheel=wheels[0], seconds=round(seconds, 1), jobs=jobs,
                       sources=kernel.estimate.sources if kernel.estimate else 0, rows=rows, observed=observed,
                       sass=tuple(report.sass), ptx=tuple(report.ptx), log=work / "build.log")
@@ -155,17 +161,18 @@ def cache_compiled(kernel: KernelPlan, built: HostKernel, store: KernelStore) ->
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def cached_or_fetched(kernels: list[KernelPlan], store: KernelStore, remote: RemoteCache | None,
+def cached_or_fetched(plan: BuildPlan, kernels: list[KernelPlan], store: KernelStore, remote: RemoteCache | None,
                       log: EventLog) -> tuple[dict[str, KernelEntry], dict[str, str]]:
-    """The kernels found in the local cache, else in the remote cache, by name; and each one's
-    state ("hit local", "hit registry"). The rest are compiled."""
+    """The kernels found in the local cache, else in the remote cache (checked against the key's
+    own inputs, as in an image build), by name; and each one's state ("hit local", "hit
+    registry"). The rest are compiled."""
     found: dict[str, KernelEntry] = {}
     states: dict[str, str] = {}
     for kernel in kernels:
         with store.lock(kernel.key):
             entry, state = store.get(kernel.key), "hit local"
             if entry is None and remote is not None:
-                entry, state = remote.fetch_kernel(store, kernel.key), "hit registry"
+                entry, state = remote.fetch_kernel(store, Expected.of(kernel, plan.toolchain)), "hit registry"
         if entry is not None:
             found[kernel.name], states[kernel.name] = entry, state
             log.emit("kernels", f"{'remote ' if state == 'hit registry' else ''}cache hit: {kernel.name} "
@@ -182,7 +189,7 @@ def build_here(image_dir: Path, *, manifest_path: Path, cache: CacheLayout, out:
     folder_guard.claim(out, folder_guard.OUTPUT_MARKER, what="output folder", option="--out", force=force)
     (out / "wheels").mkdir(exist_ok=True)
     store = KernelStore(cache)
-    found, states = cached_or_fetched([k for k in plan.kernels if k.compiled], store, remote, log)
+    found, states = cached_or_fetched(plan, [k for k in plan.kernels if k.compiled], store, remote, log)
     compiled = [k for k in plan.kernels if k.compiled and k.name not in found]
     jobs = split_jobs(compiled, cores or os.cpu_count() or 1)
     results: dict[str, HostKernel] = {}

@@ -24,10 +24,12 @@ from build.kernels.wheel_checks import (
     CHECK_SCRIPT,
     CheckRow,
     arch_rows,
+    dist_info_rows,
     fail_on,
     kernel_check_config,
     parse_rows,
     render_rows,
+    tag_rows,
     version_rows,
 )
 from build.resolve import BuildPlan, KernelPlan, digest
@@ -140,6 +142,8 @@ def check_and_publish(kernel: KernelPlan, toolchain, out: Path, output: str, dur
     observed = json.loads((out / "observed.json").read_text())
     report = archs_of_wheel(wheels[0])
     rows += version_rows(kernel.name, observed, toolchain) + arch_rows(kernel.name, report, kernel.archs)
+    rows += tag_rows(kernel.name, wheels[0].name, python=toolchain.python, platform=kernel.key_inputs["platform"])
+    rows += dist_info_rows(kernel.name, wheels[0])
     log.emit("check", f"checks for {kernel.name}:\n{render_rows(rows)}", step=kernel.name)
     fail_on(rows, f"the freshly built {kernel.name} wheel is unsound and was NOT cached")
     wheel = wheels[0]

@@ -11,17 +11,21 @@ Import proves what it imports, entry by entry, and refuses the rest (exit 3):
     symlink is followed, no extra file (a `.pth`, say) is copied;
   * the folder name is the key, and the key is recomputed from meta.json's `inputs`: an entry
     renamed to another key, or with edited inputs, does not match;
-  * meta.json's kernel, version and archs agree with its inputs, the wheel is that kernel's
-    distribution, and the wheel and build log match their sha256 (an entry with a build log
-    meta.json gives no sha256 for is refused: every export of this version carries it);
+  * the wheel and build log match their sha256 (an entry with a build log meta.json gives no
+    sha256 for is refused: every export of this version carries it);
+  * the acceptance a registry hit gets (acceptance.py), against the key's own inputs: meta.json's
+    kernel, version, archs, wheel name and tags, and the torch, CUDA and compiler it recorded;
+    then, on the copy about to enter the cache, the wheel's own SASS and PTX per arch, and the
+    tags, name and version its dist-info holds;
   * what is copied into the cache is exactly the bytes that were hashed: no more than the size
     each file had then, and the same sha256 again, hashed as they are copied;
   * the manifest lists the entry with the same wheel and meta.json digests, and the manifest's
     signature verifies with the key given.
 What only the signature proves: that the wheel is the one the signer's machine compiled from
 those inputs. Without a signature (`--trust-unsigned`, logged), a wheel replaced together with
-its sha256 passes every other check. Either way, every build that uses an imported wheel runs
-the in-image checks (import/ABI, entry points, SASS) before the image is tagged.
+its sha256, holding the right archs and tags, passes every other check. Either way, every build
+that uses an imported wheel runs the in-image checks (import/ABI, entry points) before it
+succeeds.
 """
 from __future__ import annotations
 
@@ -33,12 +37,10 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
-
 from build.cache import copy_nofollow, digest_nofollow
 from build.errors import BuildFailure
+from build.kernels.acceptance import Expected, meta_problems, refusal, wheel_problems
 from build.kernels.store import KEY, META, WHEEL, KernelStore
-from build.resolve import digest
 from contracts import atomic
 from contracts.errors import FixableError
 
@@ -65,6 +67,7 @@ class ProvenEntry:
     meta: dict
     files: tuple[str, ...]
     proven: dict[str, tuple[str, int]]   # file -> (sha256, size) as hashed: what a copy must find again
+    expected: Expected                   # what it was checked against
 
 
 def _lstat(path: Path) -> os.stat_result | None:
@@ -83,8 +86,13 @@ def _read_small(path: Path, limit: int) -> bytes:
     return data
 
 
-def prove_entry(directory: Path, key: str) -> ProvenEntry:
-    """Everything an entry can prove about itself; ValueError says what it cannot."""
+def prove_entry(directory: Path, key: str, expected: Expected | None = None, *,
+                torch_versions: dict[str, str] | None = None, read_wheel: bool = True) -> ProvenEntry:
+    """Everything an entry proves about itself and against its key's own inputs; ValueError says
+    what it cannot. `expected`: the key's inputs from the plan (a registry hit in a build);
+    without it, meta.json's inputs once they hash to `key`, with the torch version
+    `torch_versions` maps their torch wheel's sha256 to. `read_wheel=False` leaves out the checks
+    that read the wheel's content (an import runs them on the copy it is about to publish)."""
     st = _lstat(directory)
     if st is None or not stat.S_ISDIR(st.st_mode):
         raise ValueError("not a real folder (a symlink or a file)")
@@ -110,29 +118,22 @@ def prove_entry(directory: Path, key: str) -> ProvenEntry:
         raise ValueError(f"it holds files an entry never has: {', '.join(extra[:5])}")
     if wheel not in names:
         raise ValueError(f"{wheel} is missing")
-    inputs = meta["inputs"]
     if meta.get("key") != key:
         raise ValueError("meta.json's key is not the folder's name")
-    if digest(inputs) != key:
-        raise ValueError("the key recomputed from meta.json's inputs is not the folder's name: the inputs were "
-                         "edited or the entry was renamed")
-    for field in ("kernel", "version"):
-        if meta.get(field) != inputs.get(field):
-            raise ValueError(f"meta.json's {field} {meta.get(field)!r} is not its inputs' {inputs.get(field)!r}")
-    if "archs" in inputs:
-        sass = (meta.get("archs") or {}).get("sass") if isinstance(meta.get("archs"), dict) else None
-        if not isinstance(sass, list) or sorted(sass) != sorted(inputs["archs"]):
-            raise ValueError(f"meta.json's archs {sass} are not the archs its inputs asked for {inputs['archs']}")
-    try:
-        dist, version, _build, _tags = parse_wheel_filename(wheel)
-    except InvalidWheelFilename:
-        raise ValueError(f"{wheel} is not a wheel file name") from None
-    if canonicalize_name(dist) != canonicalize_name(str(inputs.get("kernel", ""))) or \
-            str(version) != str(inputs.get("version")):
-        raise ValueError(f"{wheel} is not {inputs.get('kernel')} {inputs.get('version')}")
+    inputs = meta["inputs"]
+    if expected is None:
+        torch = (torch_versions or {}).get(str(inputs.get("torch_wheel_sha256")))
+        expected = Expected(key, inputs, torch)
+    problems = meta_problems(meta, expected)
+    if problems:
+        raise ValueError(refusal(problems))
     proven = {wheel: digest_nofollow(directory / wheel)}
     if proven[wheel][0] != meta.get("sha256"):
         raise ValueError(f"{wheel} does not match meta.json's sha256")
+    if read_wheel:
+        problems = wheel_problems(directory / wheel, meta, expected)
+        if problems:
+            raise ValueError(refusal(problems))
     if BUILD_LOG in names:
         if not isinstance(meta.get("build_log_sha256"), str) or not SHA256_HEX.fullmatch(meta["build_log_sha256"]):
             raise ValueError("meta.json gives no build_log_sha256 for its build.log, so the log cannot be checked: "
@@ -143,7 +144,7 @@ def prove_entry(directory: Path, key: str) -> ProvenEntry:
         if proven[BUILD_LOG][0] != meta["build_log_sha256"]:
             raise ValueError("build.log does not match meta.json's build_log_sha256")
     return ProvenEntry(key=key, directory=directory, meta=meta, files=tuple(n for n in names if n != META),
-                       proven=proven)
+                       proven=proven, expected=expected)
 
 
 def _copy_proven(entry: ProvenEntry, name: str, dest: Path) -> None:
@@ -185,7 +186,8 @@ def export(store: KernelStore, destination: Path, *, sign_key=None) -> tuple[lis
             skipped.append((entry.key, str(exc)))
             continue
         atomic.publish_dir(staging, target, replace=target.exists())
-        written.append(prove_entry(target, entry.key))
+        # the copy re-hashed as it was made: its wheel is the one whose content was just read
+        written.append(prove_entry(target, entry.key, proven.expected, read_wheel=False))
     manifest = manifest_for(written)
     atomic.write_bytes(destination / MANIFEST, manifest)
     if sign_key is not None:
@@ -238,8 +240,10 @@ def read_manifest(source: Path, *, public_key, trust_unsigned: bool, log) -> dic
 
 
 def import_from(store: KernelStore, source: Path, *, public_key=None, trust_unsigned: bool = False,
-                log) -> tuple[list[str], list[tuple[str, str]]]:
-    """Import every entry `source` proves. Returns (imported, rejected with why)."""
+                log, torch_versions: dict[str, str] | None = None) -> tuple[list[str], list[tuple[str, str]]]:
+    """Import every entry `source` proves. Returns (imported, rejected with why). `torch_versions`:
+    torch wheel sha256 -> torch version, for the toolchains the manifest pins (the recorded torch
+    of an entry whose inputs name one of them must be that version)."""
     st = _lstat(source)
     if st is None or not stat.S_ISDIR(st.st_mode):
         raise BuildFailure(f"{source} is not a directory", "pass the directory written by `kernels export`")
@@ -249,7 +253,9 @@ def import_from(store: KernelStore, source: Path, *, public_key=None, trust_unsi
     names = sorted(n for n in os.listdir(source) if not n.startswith(".") and n not in (MANIFEST, SIGNATURE))
     for name in names:
         try:
-            entry = prove_entry(source / name, name)
+            # the wheel's content is read from the copy below, not here: the folder is not ours,
+            # and the bytes read must be the bytes published
+            entry = prove_entry(source / name, name, torch_versions=torch_versions, read_wheel=False)
             if listed is not None:
                 record = listed.get(name)
                 if not isinstance(record, dict):
@@ -266,10 +272,13 @@ def import_from(store: KernelStore, source: Path, *, public_key=None, trust_unsi
                 try:
                     for file in entry.files:
                         _copy_proven(entry, file, staging / file)
+                    problems = wheel_problems(staging / entry.meta["wheel"], entry.meta, entry.expected)
+                    if problems:
+                        raise ValueError(refusal(problems))
                     meta = {**entry.meta, "imported_from": str(source),
                             "imported_signature": "verified" if public_key is not None else "none (--trust-unsigned)"}
                     store.publish(entry.key, staging, meta)
-                except ValueError as exc:    # changed since it was proven (grew, or other bytes)
+                except ValueError as exc:    # changed since it was proven, or its wheel is not its key's
                     rejected.append((name, str(exc)))
                     continue
                 finally:

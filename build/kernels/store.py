@@ -13,6 +13,7 @@ never used and never deleted without a word.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -125,6 +126,17 @@ class KernelStore:
             raise BuildFailure(f"kernel cache entry {key[:16]} failed verification right after publishing",
                                f"check the disk under {self.root}")
         return entry
+
+    def evict(self, key: str) -> bool:
+        """Remove an entry (the caller holds `lock(key)`): renamed out of its key's place first, so
+        no reader ever sees half of it, then deleted. False when there was none."""
+        directory = self._dir(key)
+        if not directory.exists():
+            return False
+        aside = directory.with_name(f"{atomic.TMP_PREFIX}evicted-{key}-{os.getpid()}")
+        os.rename(directory, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+        return True
 
     def recorded_duration(self, name: str) -> float | None:
         """The most recent compile time recorded for any entry of this kernel (for plan estimates)."""

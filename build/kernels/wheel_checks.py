@@ -1,12 +1,18 @@
 """GPU-free checks on kernel wheels: in a container (import/ABI, entry points, versions,
-Triton's run-time needs) and on the host (SASS/PTX arch coverage). Any FAIL stops the build
-with a table naming the kernel, the check and the fix."""
+Triton's run-time needs) and on the host (SASS/PTX arch coverage, the wheel's tags, name and
+version). Any FAIL stops the build with a table naming the kernel, the check and the fix."""
 from __future__ import annotations
 
 import json
+import re
+import zipfile
 from dataclasses import dataclass
+from email.parser import HeaderParser
 from pathlib import Path
 from typing import Any
+
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+from packaging.version import InvalidVersion, Version
 
 from build.errors import BuildFailure
 from build.kernels.archs import ArchReport
@@ -14,6 +20,7 @@ from contracts.table import render_table
 
 CHECK_SCRIPT = Path(__file__).resolve().parent / "incontainer_check.py"
 RESULT_PREFIX = "FTIMAGE-CHECK "
+DIST_INFO_LIMIT = 1 << 20     # a wheel's WHEEL and METADATA are a few KiB
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,72 @@ def version_rows(name: str, observed: dict[str, str], tc) -> list[CheckRow]:
         rows.append(CheckRow(name, f"version: {what}", "PASS" if ok else "FAIL", f"built with {have}, lock {want}",
                              "" if ok else "the builder does not match the toolchain; fix the builder base or pins"))
     return rows
+
+
+def tag_rows(name: str, wheel: str, *, python: str, platform: str | None) -> list[CheckRow]:
+    """The wheel file name's tags against the CPython minor (e.g. "3.11") and platform (e.g.
+    "linux_x86_64", or None: not checked) it was built for. A compiled extension is tagged
+    cpXY-cpXY (or cp3N-abi3 with N <= Y) and its platform is the key's, or a manylinux tag of
+    the same machine. Every tag of a compressed tag set must pass: each is a claim pip acts on."""
+    try:
+        tags = parse_wheel_filename(wheel)[3]
+    except InvalidWheelFilename:
+        return [CheckRow(name, "wheel tags", "FAIL", f"{wheel} is not a wheel file name",
+                         "rebuild the wheel with pip")]
+    major, _, minor = python.partition(".")
+    cp = f"cp{major}{minor}"
+
+    def python_ok(tag) -> bool:
+        older = re.fullmatch(rf"cp{major}(\d+)", tag.interpreter)
+        return tag.interpreter == cp or (tag.abi == "abi3" and older is not None and
+                                         minor.isdigit() and int(older.group(1)) <= int(minor))
+
+    machine = (platform or "").removeprefix("linux_")
+    checks = [("python", python_ok, f"CPython {python} ({cp})"),
+              ("abi", lambda t: t.abi in (cp, "abi3"), f"{cp} or abi3")]
+    if platform is not None:
+        checks.append(("platform", lambda t: t.platform == platform or re.fullmatch(
+            rf"manylinux(1|2010|2014|_\d+_\d+)_{re.escape(machine)}", t.platform) is not None, platform))
+    shown = ".".join(sorted(str(t) for t in tags))
+    return [CheckRow(name, f"wheel tag: {what}", "PASS" if all(ok(t) for t in tags) else "FAIL",
+                     f"{wheel} is tagged {shown}; wanted {want}",
+                     "" if all(ok(t) for t in tags) else
+                     f"the wheel was not built for {want}: rebuild it with the key's toolchain")
+            for what, ok, want in checks]
+
+
+def dist_info_rows(name: str, wheel: Path) -> list[CheckRow]:
+    """What the wheel says of itself (its .dist-info WHEEL and METADATA) against its file name:
+    the tags, name and version the file name claims must be the ones it holds."""
+    fix = "the wheel's file name is not the wheel: rebuild it with pip"
+    try:
+        dist, version, _build, tags = parse_wheel_filename(wheel.name)
+        with zipfile.ZipFile(wheel) as zf:
+            infos = sorted({n.split("/")[0] for n in zf.namelist()
+                            if re.fullmatch(r"[^/]+\.dist-info/(WHEEL|METADATA)", n)})
+            if len(infos) != 1:
+                return [CheckRow(name, "wheel dist-info", "FAIL", f"{wheel.name} holds {len(infos)} .dist-info "
+                                 "folders with WHEEL and METADATA, expected 1", fix)]
+            headers = {}
+            for part in ("WHEEL", "METADATA"):
+                info = zf.getinfo(f"{infos[0]}/{part}")
+                if info.file_size > DIST_INFO_LIMIT:     # read before anything proved the wheel sound
+                    raise ValueError(f"its {part} claims {info.file_size} bytes")
+                headers[part] = HeaderParser().parsestr(zf.read(info).decode("utf-8", "replace"))
+    except (InvalidWheelFilename, zipfile.BadZipFile, KeyError, ValueError, OSError, EOFError) as exc:
+        return [CheckRow(name, "wheel dist-info", "FAIL", f"{wheel.name} cannot be read: {exc}", fix)]
+    held, named = sorted(headers["WHEEL"].get_all("Tag") or []), sorted(str(t) for t in tags)
+    said_name, said_version = headers["METADATA"].get("Name", ""), headers["METADATA"].get("Version", "")
+    try:
+        same = canonicalize_name(said_name) == dist and str(Version(said_version)) == str(version)
+    except InvalidVersion:
+        same = False
+    return [CheckRow(name, "wheel dist-info: tags", "PASS" if held == named else "FAIL",
+                     f"WHEEL says {','.join(held)[:200] or 'no tag'}; the file name {','.join(named)}",
+                     "" if held == named else fix),
+            CheckRow(name, "wheel dist-info: name and version", "PASS" if same else "FAIL",
+                     f"METADATA says {said_name[:60]} {said_version[:40]}; the file name {dist} {version}",
+                     "" if same else fix)]
 
 
 def render_rows(rows: list[CheckRow]) -> str:

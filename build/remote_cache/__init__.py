@@ -2,11 +2,13 @@
 
 Lookup order is local cache, then the registry, then compile/assemble. A registry entry is
 used only once it proved itself: its manifest has the expected artifact type and media types,
-its signature verifies with `--cache-key` (or `--trust-unsigned-cache` said not to ask), and
-every byte downloaded matches the digests (and, for a layer, the diffID) it was pushed with.
-An entry that fails any of that is named in one WARN line and the build makes its own; it is
-never used and never overwritten. A registry that is down, slow or refusing costs one WARN
-line and at most one timeout: from then on this build runs without it.
+its signature verifies with `--cache-key` (or `--trust-unsigned-cache` said not to ask), every
+byte downloaded matches the digests (and, for a layer, the diffID) it was pushed with, and a
+kernel's meta.json and wheel pass the checks a fresh compile gets against the key's own inputs
+(build/kernels/acceptance.py). An entry that fails any of that, or that the image's check
+stage later refuses (`refuse_kernel`), is named in one WARN line and the build makes its own;
+it is never used again in this build and never overwritten. A registry that is down, slow or
+refusing costs one WARN line and at most one timeout: from then on this build runs without it.
 
 What a build used is queued (`queue_kernel`, `queue_layer`) and pushed by `flush`: the kernels
 right after the kernel stage (what a build compiled is shared even when a later stage fails),
@@ -19,11 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from build.kernels.acceptance import Expected
 from build.kernels.store import KernelEntry, KernelStore
 from build.oci.image import sha256_digest
 from build.oci.layercache import CachedLayer, LayerCache
 from build.publish.registry import RegistryError
-from build.remote_cache.kernel_entries import fetch_kernel, kernel_manifest
+from build.remote_cache.kernel_entries import fetch_kernel, kernel_manifest, read_meta
 from build.remote_cache.layer_entries import fetch_layer, layer_manifest
 from build.remote_cache.options import RemoteCacheOptions
 from build.remote_cache.transport import CacheRegistry
@@ -111,6 +114,8 @@ class RemoteCache:
         except WireError as exc:   # refused before any request
             self._refuse(str(key)[:80].encode("unicode_escape").decode(), str(exc), doing)
             return None
+        if tag in self.refused:    # refused once (and named then): never fetched again by this build
+            return None
         try:
             layers = self._open(tag, artifact, limits)
             if layers is None:
@@ -128,15 +133,20 @@ class RemoteCache:
         self.log.emit("cache", f"remote cache hit: {tag[:23]}... ({trust})")
         return found
 
-    def fetch_kernel(self, store: KernelStore, key: str) -> KernelEntry | None:
-        """The kernel entry for `key` from the registry, published into `store` (the caller
-        holds `store.lock(key)`), or None: compile it."""
+    def fetch_kernel(self, store: KernelStore, expected: Expected) -> KernelEntry | None:
+        """The kernel entry for `expected.key` from the registry, checked against the key's own
+        inputs and published into `store` (the caller holds `store.lock(key)`), or None: compile it."""
         provenance = {"fetched_from": self.options.repository,
                       "fetched_signature": f"verified {self.signed_by}" if self.signed_by
                       else "none (--trust-unsigned-cache)"}
-        return self._read(kernel_tag, key, KERNEL_ARTIFACT, KERNEL_LIMITS,
-                          lambda layers: fetch_kernel(self.client, self.path, key, layers, store, provenance),
+        return self._read(kernel_tag, expected.key, KERNEL_ARTIFACT, KERNEL_LIMITS,
+                          lambda layers: fetch_kernel(self.client, self.path, expected, layers, store, provenance),
                           "compiling it here instead")
+
+    def refuse_kernel(self, key: str, why: str) -> None:
+        """An entry this build fetched that failed a later check (the image's check stage): named
+        in a WARN, recorded in the report, never fetched again by this build nor overwritten."""
+        self._refuse(kernel_tag(key), why, "evicted from the local cache, compiling it here instead")
 
     def fetch_layer(self, cache: LayerCache, key: str, expected: dict | None = None) -> CachedLayer | None:
         """The layer for `key` from the registry, published into `cache`, or None: assemble it.
@@ -146,15 +156,26 @@ class RemoteCache:
                           lambda layers: fetch_layer(self.client, self.path, key, layers, cache, expected),
                           "assembling it here instead")
 
-    def kernel_state(self, key: str) -> str:
-        """For `--plan`: "hit registry", "miss", or why the registry will not be used."""
-        return self._state(kernel_tag, key, KERNEL_ARTIFACT, KERNEL_LIMITS, "it would be compiled")
+    def kernel_state(self, expected: Expected) -> str:
+        """For `--plan`: "in registry, not yet checked (...)" once the entry's signature and its
+        meta.json passed what the build checks before downloading the wheel; "miss", or why the
+        registry will not be used. Never "hit registry": the wheel's own SASS, tags and import are
+        checked only once a build downloads it."""
+        def meta_checked(layers: dict) -> str:
+            read_meta(self.client, self.path, expected, layers)
+            # the wheel's SASS, tags and import are checked only once a build downloads it
+            return "in registry, not yet checked (signature and meta.json match; the wheel is checked when fetched)"
+
+        return self._state(kernel_tag, expected.key, KERNEL_ARTIFACT, KERNEL_LIMITS, "it would be compiled",
+                           meta_checked)
 
     def layer_state(self, key: str) -> str:
         """For `--plan`, a layer's: "hit registry", "miss", or why the registry will not be used."""
         return self._state(layer_tag, key, LAYER_ARTIFACT, LAYER_LIMITS, "it would be assembled")
 
-    def _state(self, tag_of, key: str, artifact: str, limits: dict[str, int], doing: str) -> str:
+    def _state(self, tag_of, key: str, artifact: str, limits: dict[str, int], doing: str, found=None) -> str:
+        """`found(layers)`: what the plan says of an entry whose manifest and signature passed,
+        once it checked what it can without a download (raising what the build would refuse)."""
         if not self.options.reads:
             return "miss (registry not read)"
         if not self._usable():
@@ -165,13 +186,15 @@ class RemoteCache:
             return f"miss ({exc})"
         try:
             layers = self._open(tag, artifact, limits)
+            if layers is None:
+                return "miss"
+            return found(layers) if found is not None else "hit registry"
         except RegistryError as exc:
             self._lost(exc)
             return "miss (registry unavailable)"
         except (Untrusted, ValueError) as exc:
             self._refuse(tag, str(exc), doing)
             return "miss (registry entry refused)"
-        return "hit registry" if layers is not None else "miss"
 
     # ---- writing ------------------------------------------------------------------------------
 

@@ -2,10 +2,13 @@
 
 Pushed: the wheel (annotated with its file name) and meta.json, as the two layers of a
 `kernel-<key>` manifest. Fetched: meta.json first (small, bounded), which must name the key
-asked for and the wheel blob's digest; then the wheel, streamed into a KernelStore staging
-folder and re-hashed; then the staged entry must prove itself as an imported export does
-(build/kernels/portable.py `prove_entry`: the key recomputed from meta.json's inputs, the wheel
-being that kernel's distribution) before KernelStore.publish renames it into place.
+asked for and the wheel blob's digest, and pass the checks that need no wheel against the key's
+own inputs from the plan (build/kernels/acceptance.py: inputs, archs, wheel name and tags, the
+torch and CUDA it recorded; `--plan` stops here); then the wheel, streamed into a KernelStore
+staging folder and re-hashed; then the staged entry must prove itself as an imported export does
+(build/kernels/portable.py `prove_entry`, with the plan's inputs: the checks above again, and
+the wheel's own SASS and PTX per arch and its dist-info) before KernelStore.publish renames it
+into place. An entry that fails is never in the local cache: the staging folder is removed.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import json
 import shutil
 from pathlib import Path
 
+from build.kernels.acceptance import Expected, meta_problems, refusal
 from build.kernels.portable import prove_entry
 from build.kernels.store import META, WHEEL, KernelEntry, KernelStore
 from build.remote_cache.transport import CacheRegistry
@@ -39,10 +43,11 @@ def kernel_manifest(entry: KernelEntry) -> tuple[bytes, list[Blob]]:
     return build_manifest(KERNEL_ARTIFACT, [d for d, _ in layers]), layers
 
 
-def fetch_kernel(client: CacheRegistry, path: str, key: str, layers: dict[str, Descriptor], store: KernelStore,
-                 provenance: dict[str, str]) -> KernelEntry:
-    """Download, re-hash and publish one entry; the caller holds `store.lock(key)`. ValueError
-    (WireError) says what the entry gets wrong; nothing is left in the store then."""
+def read_meta(client: CacheRegistry, path: str, expected: Expected,
+              layers: dict[str, Descriptor]) -> tuple[dict, bytes]:
+    """meta.json of an entry (and its bytes) once it passed every check that needs no wheel
+    download; WireError says what it gets wrong."""
+    key = expected.key
     wheel_blob, meta_blob = layers[WHEEL_MEDIA], layers[KERNEL_META_MEDIA]
     raw = client.small_blob(path, meta_blob.digest, MAX_META)
     try:
@@ -62,11 +67,25 @@ def fetch_kernel(client: CacheRegistry, path: str, key: str, layers: dict[str, D
     if wheel_blob.digest != f"sha256:{meta.get('sha256')}":
         raise WireError(f"its wheel blob {wheel_blob.digest[:19]} is not the wheel meta.json's sha256 names "
                         f"({str(meta.get('sha256'))[:12]}...)")
+    problems = meta_problems(meta, expected)
+    if problems:
+        raise WireError(f"its meta.json is not this key's: {refusal(problems)}")
+    return meta, raw
+
+
+def fetch_kernel(client: CacheRegistry, path: str, expected: Expected, layers: dict[str, Descriptor],
+                 store: KernelStore, provenance: dict[str, str]) -> KernelEntry:
+    """Download, re-hash, check against `expected` and publish one entry; the caller holds
+    `store.lock(expected.key)`. ValueError (WireError) says what the entry gets wrong; nothing is
+    left in the store then."""
+    key = expected.key
+    meta, raw = read_meta(client, path, expected, layers)
+    wheel_blob = layers[WHEEL_MEDIA]
     staging = store.staging(key)
     try:
-        client.download(path, wheel_blob.digest, wheel_blob.size, staging / wheel)
+        client.download(path, wheel_blob.digest, wheel_blob.size, staging / meta["wheel"])
         (staging / META).write_bytes(raw)
-        prove_entry(staging, key)
+        prove_entry(staging, key, expected)
         return store.publish(key, staging, {**meta, **provenance})
     finally:
         shutil.rmtree(staging, ignore_errors=True)   # gone already once published

@@ -13,6 +13,7 @@ import pytest
 from build.cache import CacheLayout
 from build.kernels.store import KernelStore
 from build.resolve import digest
+from tests.build import kernel_wheels
 from tests.conftest import run_build_cli
 from tests.fixtures.keys import write_p256_pair, write_rsa_key
 
@@ -21,21 +22,10 @@ pytestmark = pytest.mark.unit
 
 def _entry(store_root: Path, kernel: str = "causal-conv1d", version: str = "1.7.0", archs=("sm_90",),
            payload: bytes = b"kernel") -> str:
-    """A cache entry as a compile publishes it (a real wheel zip, meta.json, build.log)."""
-    inputs = {"kernel": kernel, "version": version, "kind": "cuda-extension", "archs": list(archs),
-              "sources": ["0" * 64]}
+    """A cache entry as a compile publishes it (a wheel with SASS for its archs, meta.json, build.log)."""
+    inputs = kernel_wheels.key_inputs(kernel, version, archs)
     key = digest(inputs)
-    directory = store_root / "kernels" / key
-    directory.mkdir(parents=True)
-    wheel = f"{kernel.replace('-', '_')}-{version}-cp311-cp311-linux_x86_64.whl"
-    with zipfile.ZipFile(directory / wheel, "w") as zf:
-        zf.writestr(f"{kernel.replace('-', '_')}/__init__.py", payload)
-    (directory / "build.log").write_text("compiled\n")
-    meta = {"key": key, "inputs": inputs, "kernel": kernel, "version": version, "wheel": wheel,
-            "sha256": hashlib.sha256((directory / wheel).read_bytes()).hexdigest(),
-            "archs": {"sass": list(archs), "ptx": []},
-            "build_log_sha256": hashlib.sha256(b"compiled\n").hexdigest()}
-    (directory / "meta.json").write_text(json.dumps(meta, sort_keys=True))
+    kernel_wheels.write_entry(store_root / "kernels" / key, inputs, payload=payload)
     return key
 
 
@@ -216,8 +206,8 @@ def test_a_file_that_changes_after_it_was_proven_is_not_imported(exported, monke
     outside.write_bytes(target.read_bytes())
     real = portable.prove_entry
 
-    def prove_then_change(directory, entry_key):
-        proven = real(directory, entry_key)
+    def prove_then_change(directory, entry_key, *args, **kwargs):
+        proven = real(directory, entry_key, *args, **kwargs)
         if entry_key == key:
             if change == "grows":
                 with target.open("ab") as fh:

@@ -1,10 +1,11 @@
 """The remote cache (`--cache-registry`) against a real OCI registry (Debian's docker-registry as a
-child process, no Docker engine): a real kernel entry (a tiny wheel made with zipfile, and its
-meta.json) and a real layer (tarlayer.write_layer) pushed, fetched into fresh caches and
-re-hashed; then every way an entry or a registry can be wrong, each a WARN and a local rebuild
-with nothing half-written: a wheel that is not its key's, a meta.json naming another key, a
-missing blob, another signer, no signature, another artifact type, a registry answering 500 or
-never answering, a key with a path in it; concurrent pushes of one key; credentials never echoed."""
+child process, no Docker engine): a real kernel entry (a tiny wheel with SASS in a fatbin, made by
+tests/build/kernel_wheels.py, and its meta.json) and a real layer (tarlayer.write_layer) pushed,
+fetched into fresh caches and re-hashed; then every way an entry or a registry can be wrong, each
+a WARN and a local rebuild with nothing half-written: a wheel that is not its key's, a meta.json
+naming another key, a missing blob, another signer, no signature, another artifact type, a
+registry answering 500 or never answering, a key with a path in it; concurrent pushes of one key;
+credentials never echoed."""
 from __future__ import annotations
 
 import base64
@@ -15,7 +16,6 @@ import json
 import socket
 import threading
 import time
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,7 @@ import requests
 
 from build import signing
 from build.cache import CacheLayout
+from build.kernels.acceptance import Expected
 from build.kernels.store import KernelStore
 from build.oci.layercache import LayerCache, layer_key
 from build.oci.runtime_image import layer_state
@@ -31,30 +32,26 @@ from build.remote_cache import RemoteCache, wire
 from build.remote_cache.options import RemoteCacheOptions
 from build.remote_cache.transport import CacheRegistry
 from build.remote_cache.trust import sign_entry, signature_tag
-from build.resolve import digest
+from build.resolve import load_plan
+from build.spec import REPO_ROOT
 from contracts.events import EventLog
+from tests.build import kernel_wheels
 from tests.conftest import run_build_cli
 
 pytestmark = pytest.mark.unit
 
 
 def make_kernel(root: Path, payload: bytes = b"kernel", version: str = "1.7.0") -> KernelStore:
-    """A cache entry as a compile publishes it: a real wheel zip, its meta.json, a build log."""
-    inputs = {"kernel": "causal-conv1d", "version": version, "kind": "cuda-extension", "archs": ["sm_90"],
-              "sources": ["0" * 64]}
-    key = digest(inputs)
+    """A cache entry as a compile publishes it: a real wheel zip with SASS for its archs, its
+    meta.json, a build log."""
     store = KernelStore(CacheLayout(root))
-    staging = store.staging(key)
-    wheel = f"causal_conv1d-{version}-cp311-cp311-linux_x86_64.whl"
-    with zipfile.ZipFile(staging / wheel, "w") as zf:
-        zf.writestr("causal_conv1d/__init__.py", payload)
-    (staging / "build.log").write_text("compiled\n")
-    meta = {"inputs": inputs, "kernel": "causal-conv1d", "version": version, "wheel": wheel,
-            "sha256": hashlib.sha256((staging / wheel).read_bytes()).hexdigest(),
-            "archs": {"sass": ["sm_90"], "ptx": []}, "duration_s": 600.0,
-            "build_log_sha256": hashlib.sha256(b"compiled\n").hexdigest()}
-    store.publish(key, staging, meta)
+    kernel_wheels.publish(store, kernel_wheels.key_inputs(version=version), payload=payload)
     return store
+
+
+def wanted(entry) -> Expected:
+    """What a build asks the registry for: the entry's key with its own inputs."""
+    return Expected(entry.key, entry.meta["inputs"], kernel_wheels.TORCH)
 
 
 def only_entry(store: KernelStore):
@@ -157,7 +154,7 @@ def test_a_signed_kernel_entry_round_trips_into_a_fresh_cache(registry, keys, tm
     fresh = KernelStore(CacheLayout(tmp_path / "b"))
     reader = remote(registry.address, "team/kernels", public=public)
     with fresh.lock(entry.key):
-        got = reader.fetch_kernel(fresh, entry.key)
+        got = reader.fetch_kernel(fresh, wanted(entry))
     assert got is not None and fresh.get(entry.key) is not None
     assert got.sha256 == entry.sha256 and got.wheel.read_bytes() == entry.wheel.read_bytes()
     assert got.meta["fetched_from"] == f"{registry.address}/team/kernels"
@@ -176,28 +173,26 @@ def test_a_signed_kernel_entry_round_trips_into_a_fresh_cache(registry, keys, tm
 
 
 def test_the_kernel_stage_takes_a_registry_hit_and_compiles_nothing(registry, keys, tmp_path, monkeypatch):
-    """provide_kernels asks the remote cache between the local cache and a compile."""
+    """provide_kernels asks the remote cache between the local cache and a compile, with each
+    kernel's own inputs from the plan."""
     from build import kernels as kernel_stage
 
-    entry = only_entry(make_kernel(tmp_path / "a"))
+    plan = load_plan(REPO_ROOT / "images" / "kernel-smoke")
+    source = KernelStore(CacheLayout(tmp_path / "a"))
     writer = remote(registry.address, "team/stage", sign=keys["signer"][0])
-    writer.queue_kernel(entry)
+    for kernel in plan.kernels:
+        writer.queue_kernel(kernel_wheels.publish(source, kernel.key_inputs))
     writer.flush()
-
-    class Kernel:
-        name, version, kind, key = "causal-conv1d", "1.7.0", "cuda-extension", entry.key
-
-    class Plan:
-        kernels = [Kernel()]
 
     monkeypatch.setattr(kernel_stage, "compile_kernel", lambda *a, **k: pytest.fail("compiled on a hit"))
     reader = remote(registry.address, "team/stage", public=keys["signer"][1])
-    provided = kernel_stage.provide_kernels(Plan(), cache=CacheLayout(tmp_path / "b"), engine=None,
+    provided = kernel_stage.provide_kernels(plan, cache=CacheLayout(tmp_path / "b"), engine=None,
                                             log=EventLog(quiet=True),
                                             builder_base=lambda: pytest.fail("builder base made on a hit"),
                                             remote=reader.fetch_kernel)
-    assert provided.states == {"causal-conv1d": "hit registry"}
-    assert provided.wheels[0].sha256 == entry.sha256
+    assert provided.states == {k.name: "hit registry" for k in plan.kernels}
+    assert sorted(w.sha256 for w in provided.wheels) == sorted(e.sha256 for e in source.entries())
+    assert not reader.test_log.warnings()
 
 
 def test_a_layer_round_trips_rehashed_by_digest_and_diffid(registry, keys, tmp_path):
@@ -253,7 +248,7 @@ def _refused(registry, keys, tmp_path, repo, entry, why):
     reader = remote(registry.address, repo, public=keys["signer"][1])
     fresh = KernelStore(CacheLayout(tmp_path / "fresh"))
     with fresh.lock(entry.key):
-        assert reader.fetch_kernel(fresh, entry.key) is None
+        assert reader.fetch_kernel(fresh, wanted(entry)) is None
     (line,) = reader.test_log.warnings()
     assert f"kernel-{entry.key}" in line and why in line and "compiling it here instead" in line
     assert fresh.get(entry.key) is None and fresh.states() == [] and leftovers(tmp_path / "fresh") == []
@@ -339,14 +334,14 @@ def test_trust_unsigned_uses_an_unsigned_entry_and_says_so(registry, tmp_path):
     reader = remote(registry.address, "team/trust", trust=True)
     fresh = KernelStore(CacheLayout(tmp_path / "b"))
     with fresh.lock(entry.key):
-        got = reader.fetch_kernel(fresh, entry.key)
+        got = reader.fetch_kernel(fresh, wanted(entry))
     assert got is not None and got.meta["fetched_signature"] == "none (--trust-unsigned-cache)"
     assert reader.record()["trust"] == "UNSIGNED (--trust-unsigned-cache)"
     assert "UNSIGNED, used on --trust-unsigned-cache" in reader.test_log.text
     # and without any trust option the registry is not read at all
     silent = remote(registry.address, "team/trust")
     with fresh.lock("e" * 64):
-        assert silent.fetch_kernel(fresh, "e" * 64) is None
+        assert silent.fetch_kernel(fresh, Expected("e" * 64, {})) is None
     assert silent.record()["read"] is False and silent.client.bytes_pulled == 0
 
 
@@ -386,7 +381,7 @@ def test_a_registry_answering_500_is_one_warn_then_the_build_goes_on(tmp_path, k
         store = KernelStore(CacheLayout(tmp_path / "c"))
         for key in ("a" * 64, "b" * 64):
             with store.lock(key):
-                assert reader.fetch_kernel(store, key) is None
+                assert reader.fetch_kernel(store, Expected(key, {})) is None
         assert reader.fetch_layer(LayerCache(tmp_path / "l"), "c" * 64) is None
         entry = only_entry(make_kernel(tmp_path / "k"))
         reader.queue_kernel(entry)
@@ -421,7 +416,7 @@ def test_a_registry_that_never_answers_costs_one_stated_timeout(tmp_path, keys):
         started = time.monotonic()
         for key in ("a" * 64, "b" * 64, "c" * 64):
             with store.lock(key):
-                assert reader.fetch_kernel(store, key) is None
+                assert reader.fetch_kernel(store, Expected(key, {})) is None
         assert reader.fetch_layer(LayerCache(tmp_path / "l"), "d" * 64) is None
         reader.queue_kernel(only_entry(make_kernel(tmp_path / "k")))
         reader.flush()
@@ -444,7 +439,7 @@ def test_a_bad_key_is_refused_before_any_request(tmp_path, keys):
         store = KernelStore(CacheLayout(tmp_path / "c"))
         assert reader.fetch_layer(LayerCache(tmp_path / "l"), "../../" + "a" * 58) is None
         assert reader.fetch_layer(LayerCache(tmp_path / "l"), "a" * 63 + "\x1b") is None
-        assert reader.fetch_kernel(store, "A" * 64) is None
+        assert reader.fetch_kernel(store, Expected("A" * 64, {})) is None
         assert handler.seen == [] and len(reader.test_log.warnings()) == 3
         assert all("not a cache key" in line for line in reader.test_log.warnings())
         assert "\x1b" not in reader.test_log.text
@@ -480,7 +475,7 @@ def test_two_runners_pushing_one_key_at_once_leave_one_valid_signed_entry(regist
     reader = remote(registry.address, "team/race", public=keys["signer"][1])
     fresh = KernelStore(CacheLayout(tmp_path / "fresh"))
     with fresh.lock(first.key):
-        got = reader.fetch_kernel(fresh, first.key)
+        got = reader.fetch_kernel(fresh, wanted(first))
     assert got is not None and got.sha256 in (first.sha256, second.sha256)
     assert reader.fetch_layer(LayerCache(tmp_path / "fl"), layers[0].key) is not None
     assert not reader.test_log.warnings()
@@ -505,7 +500,7 @@ def test_credentials_from_docker_login_never_reach_a_log_or_the_record(tmp_path,
         reader = remote(address, "team/x", public=keys["signer"][1], sign=keys["signer"][0])
         store = KernelStore(CacheLayout(tmp_path / "c"))
         with store.lock("a" * 64):
-            assert reader.fetch_kernel(store, "a" * 64) is None
+            assert reader.fetch_kernel(store, Expected("a" * 64, {})) is None
         text = reader.test_log.text + json.dumps(reader.record())
         assert "HTTP 401" in text and secret not in text and auth not in text
         assert len(handler.seen) == 2      # anonymous, then once with the credentials
@@ -539,25 +534,29 @@ def test_the_environment_variable_is_checked_too_and_trust_needs_a_registry(tmp_
     assert proc.returncode == 2 and "--cache-timeout" in proc.stderr
 
 
-def test_plan_shows_hit_registry_per_kernel_and_what_the_registry_is_used_for(registry, keys, tmp_path):
-    planned = run_build_cli("images/kernel-smoke", "--plan", "--json", "--cache", str(tmp_path / "empty"))
-    assert planned.returncode == 0, planned.stderr
-    kernels = [k for k in json.loads(planned.stdout)["kernels"] if k["kind"] == "cuda-extension"]
-    hit, missed = kernels[0], kernels[1]
-    entry = only_entry(make_kernel(tmp_path / "a"))
-    # an entry stored under the plan's key (the plan only reads the manifest and its signature)
+def test_plan_checks_meta_json_says_not_yet_checked_and_never_hit_registry(registry, keys, tmp_path):
+    """--plan reads each entry's signed meta.json and checks it as a build does before the wheel
+    download: a sound one is "in registry, not yet checked" (its wheel is checked when a build
+    downloads it); one whose meta.json names another key is refused, as the build refuses it."""
+    plan = load_plan(REPO_ROOT / "images" / "kernel-smoke")
+    sound, other = plan.kernels
     from build.remote_cache.kernel_entries import kernel_manifest
 
+    entry = kernel_wheels.publish(KernelStore(CacheLayout(tmp_path / "a")), sound.key_inputs)
     manifest, blobs = kernel_manifest(entry)
-    _push_raw(registry.address, "team/plan", f"kernel-{hit['key']}", manifest,
-              [entry.wheel.read_bytes(), blobs[1][1]], keys["signer"][0])
+    for key in (sound.key, other.key):     # the same entry under its own key and under another's
+        _push_raw(registry.address, "team/plan", f"kernel-{key}", manifest, [entry.wheel.read_bytes(), blobs[1][1]],
+                  keys["signer"][0])
     proc = run_build_cli("images/kernel-smoke", "--plan", "--json", "--cache", str(tmp_path / "empty"),
                          "--cache-registry", f"{registry.address}/team/plan", "--cache-key", str(keys["signer"][3]))
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     states = {k["name"]: k["cache"] for k in data["kernels"]}
-    assert states[hit["name"]]["state"] == "hit registry"
-    assert states[missed["name"]]["state"] == "miss"
-    assert "read (entries signed by" in data["remote_cache"]
+    assert states[sound.name]["state"] == "in registry, not yet checked"
+    assert states[sound.name]["expected_compile"].startswith("0s (download) once its wheel passes its checks, else ~")
+    assert states[other.name]["state"] == "miss" and states[other.name]["detail"] == "miss (registry entry refused)"
+    (warning,) = [line for line in proc.stderr.splitlines() if "WARN" in line]
+    assert f"kernel-{other.key}" in warning and "meta.json names another key" in warning
+    assert "hit registry" not in proc.stdout and "read (entries signed by" in data["remote_cache"]
     text = run_build_cli("images/smoke", "--plan", "--cache-registry", f"{registry.address}/team/plan")
     assert text.returncode == 0 and "NOT read (pass --cache-key PUB, or --trust-unsigned-cache)" in text.stdout

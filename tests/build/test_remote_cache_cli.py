@@ -6,8 +6,6 @@ without it keeps its lock, and so its image ID, byte for byte); `--plan --json` 
 state for each layer whose key can be known before building, and says what the others wait on."""
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import shutil
 import zipfile
@@ -20,6 +18,7 @@ from build import pipeline
 from build.cache import CacheLayout
 from build.cli import kernels as kernels_cli
 from build.errors import BuildFailure
+from build.kernels.acceptance import Expected
 from build.kernels.build_here import HostKernel
 from build.kernels.store import KernelStore
 from build.kernels.wheel_checks import CheckRow
@@ -32,6 +31,7 @@ from build.spec import REPO_ROOT, PinnedFile, load_image_spec, load_manifest
 from contracts.events import EventLog
 from contracts.lock import load_lock
 from contracts.schema import Problems
+from tests.build import kernel_wheels
 from tests.build.test_remote_cache import Log
 
 pytestmark = pytest.mark.unit
@@ -50,37 +50,10 @@ def host_plan(image_dir: Path, manifest_path: Path, archs: tuple[str, ...]):
                    host=(toolchain, PinnedFile(filename="torch (installed)", sha256="7" * 64)))
 
 
-def write_wheel(path: Path, dist: str, version: str, payload: bytes) -> None:
-    """A wheel pip installs: a module, and dist-info with METADATA, WHEEL and a true RECORD."""
-    info = f"{dist}-{version}.dist-info"
-    files = {f"{dist}/__init__.py": payload,
-             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n".encode(),
-             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    record = "".join(f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
-                     f"{len(data)}\n" for name, data in files.items())
-    files[f"{dist}-{version}.dist-info/RECORD"] = (record + f"{dist}-{version}.dist-info/RECORD,,\n").encode()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(path, "w") as zf:
-        for name, data in files.items():
-            zf.writestr(name, data)
-
-
-def wheel_name(kernel) -> str:
-    return f"{kernel.name.replace('-', '_')}-{kernel.version}-py3-none-any.whl"
-
-
 def publish_kernel(store: KernelStore, kernel, payload: bytes):
-    """The entry a host build of `kernel` publishes (meta.json as compile.py writes it)."""
-    staging = store.staging(kernel.key)
-    name = wheel_name(kernel)
-    write_wheel(staging / name, kernel.name.replace("-", "_"), kernel.version, payload)
-    (staging / "build.log").write_text("compiled\n")
-    meta = {"kernel": kernel.name, "version": kernel.version, "wheel": name, "inputs": kernel.key_inputs,
-            "sha256": hashlib.sha256((staging / name).read_bytes()).hexdigest(),
-            "archs": {"sass": list(kernel.archs), "ptx": []}, "duration_s": 1.0,
-            "build_log_sha256": hashlib.sha256(b"compiled\n").hexdigest()}
-    with store.lock(kernel.key):
-        return store.publish(kernel.key, staging, meta)
+    """The entry a host build of `kernel` publishes: a wheel with SASS for its archs, and meta.json
+    as compile.py writes it (so it proves itself against the kernel's inputs wherever it is fetched)."""
+    return kernel_wheels.publish(store, kernel.key_inputs, payload=payload)
 
 
 def remote(address: str, repo: str, *, sign=None, public=None, trust: bool = False) -> RemoteCache:
@@ -138,10 +111,11 @@ def test_build_here_compiles_what_the_registry_refuses_or_lacks_and_pushes_it_si
 
     def fake_compile(kernel, plan, *, cache, work, jobs, log):
         compiled.append(kernel.name)
-        wheel = work / "out" / "dist" / wheel_name(kernel)
-        write_wheel(wheel, kernel.name.replace("-", "_"), kernel.version, f"# {kernel.name} compiled here\n".encode())
+        wheel = kernel_wheels.write_wheel(work / "out" / "dist", kernel.name, kernel.version, sass=kernel.archs,
+                                          payload=f"# {kernel.name} compiled here\n".encode())
         return HostKernel(name=kernel.name, wheel=wheel, seconds=2.0, jobs=jobs, sources=1,
-                          rows=[CheckRow(kernel.name, "import", "PASS", "")], sass=kernel.archs)
+                          rows=[CheckRow(kernel.name, "import", "PASS", "")], sass=kernel.archs,
+                          observed=dict(kernel_wheels.OBSERVED))
 
     monkeypatch.setattr(build_here_module, "plan_here", host_plan)
     monkeypatch.setattr(build_here_module, "compile_here", fake_compile)
@@ -158,7 +132,7 @@ def test_build_here_compiles_what_the_registry_refuses_or_lacks_and_pushes_it_si
     reader = remote(registry.address, "team/here-refused", public=keys["signer"][1])
     fresh = KernelStore(CacheLayout(tmp_path / "fresh"))
     with fresh.lock(flash.key):
-        got = reader.fetch_kernel(fresh, flash.key)
+        got = reader.fetch_kernel(fresh, Expected.of(flash, plan.toolchain))
     assert got is not None
     assert zipfile.ZipFile(got.wheel).read("flash_attn/__init__.py") == b"# flash-attn compiled here\n"
     # the refused entry is left as it was, never overwritten

@@ -22,6 +22,7 @@ import requests
 import urllib3
 
 from build.cache import CacheLayout
+from build.kernels.acceptance import Expected
 from build.kernels.store import KernelStore
 from build.oci.layercache import LayerCache
 from build.oci.tarlayer import TreeEntry, write_layer
@@ -31,7 +32,7 @@ from build.remote_cache.options import RemoteCacheOptions
 from build.remote_cache.transport import CacheRegistry
 from build.remote_cache.trust import signature_tag
 from contracts.redact import quote
-from tests.build.test_remote_cache import Log, make_kernel, make_layer, only_entry, remote
+from tests.build.test_remote_cache import Log, make_kernel, make_layer, only_entry, remote, wanted
 
 pytestmark = pytest.mark.unit
 MARGIN = 2.5      # seconds a cut request may take past its timeout (thread wake-ups on a loaded 2-core box)
@@ -131,12 +132,12 @@ def test_a_trickling_or_hanging_registry_is_cut_at_the_stated_timeout_with_one_w
     store = KernelStore(CacheLayout(tmp_path / "c"))
     started = time.monotonic()
     with store.lock("a" * 64):
-        assert reader.fetch_kernel(store, "a" * 64) is None
+        assert reader.fetch_kernel(store, Expected("a" * 64, {})) is None
     first = time.monotonic() - started
     assert first < 1.0 + MARGIN, first        # the trickle would have taken an hour
     for key in ("b" * 64, "c" * 64):           # then no more requests: the cache is unavailable
         with store.lock(key):
-            assert reader.fetch_kernel(store, key) is None
+            assert reader.fetch_kernel(store, Expected(key, {})) is None
     reader.queue_kernel(only_entry(make_kernel(tmp_path / "k")))
     reader.flush()
     assert time.monotonic() - started < 1.0 + MARGIN
@@ -169,7 +170,7 @@ def test_the_build_wide_budget_ends_the_cache_with_one_warn(tmp_path, keys):
         started = time.monotonic()
         for key in ("1" * 64, "2" * 64, "3" * 64, "4" * 64, "5" * 64, "6" * 64):
             with store.lock(key):
-                assert reader.fetch_kernel(store, key) is None
+                assert reader.fetch_kernel(store, Expected(key, {})) is None
         assert time.monotonic() - started < 1.0 + MARGIN
         (line,) = log.warnings()
         assert "unavailable" in line and "registry time budget" in line
@@ -259,7 +260,7 @@ def test_a_signature_read_that_breaks_mid_body_makes_the_cache_unavailable_not_a
     monkeypatch.setattr(reader.client.session, "request", flaky)
     store = KernelStore(CacheLayout(tmp_path / "b"))
     with store.lock(entry.key):
-        assert reader.fetch_kernel(store, entry.key) is None
+        assert reader.fetch_kernel(store, wanted(entry)) is None
     (line,) = reader.test_log.warnings()
     assert "unavailable" in line and "IncompleteRead" in line and reader.unavailable
 
@@ -290,9 +291,9 @@ def test_a_missing_signature_blob_refuses_that_entry_only(registry, keys, tmp_pa
     reader = remote(registry.address, "team/sigmissing", public=keys["signer"][1])
     store = KernelStore(CacheLayout(tmp_path / "fresh"))
     with store.lock(first.key):
-        assert reader.fetch_kernel(store, first.key) is None
+        assert reader.fetch_kernel(store, wanted(first)) is None
     with store.lock(second.key):
-        assert reader.fetch_kernel(store, second.key) is not None     # the cache is still in use
+        assert reader.fetch_kernel(store, wanted(second)) is not None     # the cache is still in use
     (line,) = reader.test_log.warnings()
     assert f"kernel-{first.key}" in line and "refused" in line and "signature" in line
     assert not reader.unavailable and reader.record()["hits"] == 1
@@ -314,9 +315,9 @@ def test_an_altered_signature_blob_refuses_that_entry_only(registry, keys, tmp_p
     monkeypatch.setattr(reader.client.session, "request", altering)
     store = KernelStore(CacheLayout(tmp_path / "fresh"))
     with store.lock(first.key):
-        assert reader.fetch_kernel(store, first.key) is None
+        assert reader.fetch_kernel(store, wanted(first)) is None
     with store.lock(second.key):
-        assert reader.fetch_kernel(store, second.key) is not None
+        assert reader.fetch_kernel(store, wanted(second)) is not None
     (line,) = reader.test_log.warnings()
     assert f"kernel-{first.key}" in line and "other content" in line and not reader.unavailable
 
@@ -343,7 +344,7 @@ def test_a_token_service_answering_nonsense_makes_the_registry_unavailable(tmp_p
         store = KernelStore(CacheLayout(tmp_path / "c"))
         for key in ("a" * 64, "b" * 64):
             with store.lock(key):
-                assert reader.fetch_kernel(store, key) is None
+                assert reader.fetch_kernel(store, Expected(key, {})) is None
         (line,) = reader.test_log.warnings()
         assert "unavailable" in line and "without a usable token" in line
     finally:
