@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tests.fixtures.containers import CACHE_PROBE
 from tests.fixtures.containers import run_in as _run
 
 pytestmark = pytest.mark.engine
@@ -85,22 +86,6 @@ def test_the_rendered_context_holds_no_test_module(smoke_build):
     names = [p.relative_to(context).as_posix() for p in context.rglob("*")]
     assert not [n for n in names if n.startswith("tests/") or "/tests/" in n or n.rsplit("/", 1)[-1].startswith("test_")
                 or n.endswith("conftest.py")], names
-
-
-# What the command behind the gate sees under an arbitrary uid with no passwd entry, on a read-only
-# root with only /tmp writable, as OpenShift (uid:0), enroot and Apptainer run the image. It writes
-# into every cache it was handed and asks getpass for its user, as Triton, inductor and datasets do.
-CACHE_PROBE = """
-import getpass, json, os, pathlib
-seen = {"user": getpass.getuser(), "uid": os.getuid()}
-for name in ("HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "HF_HOME", "XDG_CACHE_HOME"):
-    folder = pathlib.Path(os.environ[name])
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "probe").write_text("written")
-    seen[name] = str(folder)
-seen["HF_DATASETS_OFFLINE"] = os.environ.get("HF_DATASETS_OFFLINE")
-print("SEEN " + json.dumps(seen))
-"""
 
 
 @pytest.mark.parametrize("form", ["entrypoint", "no-entrypoint"])

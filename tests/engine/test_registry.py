@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tests.conftest import run_build_cli
-from tests.fixtures.containers import with_test_env
+from tests.fixtures.containers import CACHE_PROBE, with_test_env
 from tests.fixtures.keys import write_p256_pair
 from tests.fixtures.registry import Registry
 
@@ -185,6 +185,49 @@ def test_skopeo_copies_the_pushed_image_to_a_layout_and_back_with_the_same_diges
                          capture_output=True, timeout=300)
     assert raw.returncode == 0, raw.stderr[-2000:]
     assert "sha256:" + hashlib.sha256(raw.stdout).hexdigest() == record["digest"]
+
+
+# podman (CRI-O's and OpenShift's image library and runtime) pulls from the same registry. Two
+# facts of this machine shape the flags: crun 1.8.1 refuses its hybrid cgroup layout ("cgroups in
+# hybrid mode not supported"), so podman runs runc here; and podman as root raises RLIMIT_NOFILE and
+# RLIMIT_NPROC past what this sandbox lets a container init set, so the test lowers both.
+PODMAN_RUN = ["podman", "run", "--rm", "--network", "none", "--runtime", "runc", "--ulimit", "nofile=4096:4096",
+              "--ulimit", "nproc=4096:4096", "--env", "OMP_NUM_THREADS=1"]
+
+
+@pytest.fixture(scope="module")
+def in_podman(pushed):
+    reference = pushed["report"]["pushed"]["reference"]
+    done = subprocess.run(["podman", "pull", "--tls-verify=false", reference], capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    yield reference
+    subprocess.run(["podman", "rmi", "-f", reference], capture_output=True, timeout=300)
+
+
+def test_podman_pulls_the_pushed_image_with_the_recorded_digest_and_diff_ids(in_podman, pushed):
+    done = subprocess.run(["podman", "image", "inspect", in_podman], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)[0]
+    assert info["Digest"] == pushed["report"]["pushed"]["digest"]
+    assert info["RootFS"]["Layers"] == pushed["report"]["diff_ids"]
+
+
+@pytest.mark.parametrize("options, command, expected", [
+    ([], ["info"], 0),
+    ([], ["verify", "--device", "cpu", "--checks", "environment,dispatch"], 2),   # the CPU image fails closed
+    # OpenShift's random uid with gid 0, no passwd entry for it (podman would add one; --passwd=false
+    # keeps the image's), a read-only root and only /tmp writable, behind the gate
+    (["--user", "4242:0", "--passwd=false", "--read-only", "--tmpfs", "/tmp", "--env", "FTIMAGE_ALLOW_FALLBACK=1"],
+     ["gate", "--", "python", "-c", CACHE_PROBE], 0),
+])
+def test_podman_runs_the_image(in_podman, options, command, expected):
+    done = subprocess.run([*PODMAN_RUN, *options, in_podman, *command], capture_output=True, text=True, timeout=900)
+    assert done.returncode == expected, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stdout + done.stderr
+    if command[0] == "gate":
+        seen = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("SEEN "))[5:])
+        assert seen["user"] == "uid4242" and seen["TRITON_CACHE_DIR"].startswith("/tmp/ftimage-4242/")
 
 
 def bridge_gateway(docker_api) -> str | None:
