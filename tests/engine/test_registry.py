@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from tests.conftest import run_build_cli
+from tests.fixtures.chat import write_fixture
 from tests.fixtures.containers import CACHE_PROBE, with_test_env
 from tests.fixtures.keys import write_p256_pair
 from tests.fixtures.registry import Registry
@@ -228,6 +229,23 @@ def test_podman_runs_the_image(in_podman, options, command, expected):
     if command[0] == "gate":
         seen = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("SEEN "))[5:])
         assert seen["user"] == "uid4242" and seen["TRITON_CACHE_DIR"].startswith("/tmp/ftimage-4242/")
+
+
+def test_podman_runs_a_one_step_finetune_as_any_uid_on_a_read_only_root(in_podman, tmp_path):
+    """finetune as OpenShift runs it: uid 4242 with gid 0 and no passwd entry, a read-only root,
+    /tmp the only writable folder besides the job's volume: a checkpoint and the final export."""
+    fx = write_fixture(tmp_path / "fx", n_rows=32, mount_root="/fx",
+                       config_overrides={"train.max_steps": 1, "checkpoint.every": 1})
+    for path in [fx.root, *fx.root.rglob("*")]:        # the job's volume, writable by the job's uid
+        path.chmod(0o777 if path.is_dir() else 0o666)
+    done = subprocess.run([*PODMAN_RUN, "--user", "4242:0", "--passwd=false", "--read-only", "--tmpfs", "/tmp",
+                           "--volume", f"{fx.root}:/fx", in_podman, "finetune", "--config", "/fx/config.yaml",
+                           "--allow-fallback"], capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = fx.root / "out"
+    assert json.loads((out / "run_report.json").read_text())["allow_fallback"] is True
+    assert [p.name for p in (out / "checkpoints").iterdir() if not p.name.startswith(".")]
+    assert (out / "final" / "model.safetensors").is_file() and "Traceback" not in done.stderr
 
 
 def bridge_gateway(docker_api) -> str | None:
