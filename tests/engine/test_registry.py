@@ -174,6 +174,26 @@ def test_containerd_runs_the_image_with_runc(in_containerd, command, expected):
         assert "torch" in done.stdout
 
 
+def test_containerd_runs_a_one_step_finetune_on_a_read_only_root(in_containerd, tmp_path):
+    """finetune under runc as containerd starts it: the image's user, a read-only root, /tmp a tmpfs,
+    the job's volume bind-mounted: a checkpoint and the final export."""
+    fx = write_fixture(tmp_path / "fx", n_rows=32, mount_root="/fx",
+                       config_overrides={"train.max_steps": 1, "checkpoint.every": 1})
+    for path in [fx.root, *fx.root.rglob("*")]:        # the job's volume, writable by the image's uid
+        path.chmod(0o777 if path.is_dir() else 0o666)
+    name = "ftimage-test-finetune"
+    ctr("containers", "rm", name)
+    done = ctr("run", "--rm", "--read-only", "--env", "OMP_NUM_THREADS=1",
+               "--mount", f"type=bind,src={fx.root},dst=/fx,options=rbind:rw",
+               "--mount", "type=tmpfs,src=tmpfs,dst=/tmp,options=nosuid:nodev:size=268435456",
+               in_containerd, name, "/opt/ftimage/venv/bin/python", "-I", "-m", "entrypoint", "finetune",
+               "--config", "/fx/config.yaml", "--allow-fallback", timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = fx.root / "out"
+    assert json.loads((out / "run_report.json").read_text())["allow_fallback"] is True
+    assert (out / "final" / "model.safetensors").is_file() and "Traceback" not in done.stdout + done.stderr
+
+
 def test_skopeo_copies_the_pushed_image_to_a_layout_and_back_with_the_same_digest(pushed, tmp_path):
     record = pushed["report"]["pushed"]
     layout = f"oci:{tmp_path / 'layout'}:copied"
