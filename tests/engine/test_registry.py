@@ -251,16 +251,22 @@ def test_podman_runs_the_image(in_podman, options, command, expected):
         assert seen["user"] == "uid4242" and seen["TRITON_CACHE_DIR"].startswith("/tmp/ftimage-4242/")
 
 
-def test_podman_runs_a_one_step_finetune_as_any_uid_on_a_read_only_root(in_podman, tmp_path):
-    """finetune as OpenShift runs it: uid 4242 with gid 0 and no passwd entry, a read-only root,
-    /tmp the only writable folder besides the job's volume: a checkpoint and the final export."""
+def test_podman_runs_inspect_data_and_a_one_step_finetune_as_any_uid_on_a_read_only_root(in_podman, tmp_path):
+    """inspect-data and finetune as OpenShift runs them: uid 4242 with gid 0 and no passwd entry, a
+    read-only root, /tmp the only writable folder besides the job's volume: the rows, a checkpoint
+    and the final export."""
     fx = write_fixture(tmp_path / "fx", n_rows=32, mount_root="/fx",
                        config_overrides={"train.max_steps": 1, "checkpoint.every": 1})
     for path in [fx.root, *fx.root.rglob("*")]:        # the job's volume, writable by the job's uid
         path.chmod(0o777 if path.is_dir() else 0o666)
-    done = subprocess.run([*PODMAN_RUN, "--user", "4242:0", "--passwd=false", "--read-only", "--tmpfs", "/tmp",
-                           "--volume", f"{fx.root}:/fx", in_podman, "finetune", "--config", "/fx/config.yaml",
-                           "--allow-fallback"], capture_output=True, text=True, timeout=1200)
+    as_any_uid = [*PODMAN_RUN, "--user", "4242:0", "--passwd=false", "--read-only", "--tmpfs", "/tmp",
+                  "--volume", f"{fx.root}:/fx", in_podman]
+    inspected = subprocess.run([*as_any_uid, "inspect-data", "--config", "/fx/config.yaml", "--rows", "1", "--json"],
+                               capture_output=True, text=True, timeout=600)
+    assert inspected.returncode == 0, inspected.stdout[-2000:] + inspected.stderr[-2000:]
+    assert json.loads(inspected.stdout)["summary"]["rows_read"] >= 1
+    done = subprocess.run([*as_any_uid, "finetune", "--config", "/fx/config.yaml", "--allow-fallback"],
+                          capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = fx.root / "out"
     assert json.loads((out / "run_report.json").read_text())["allow_fallback"] is True
