@@ -19,10 +19,10 @@ import os
 import pwd
 from pathlib import Path
 
-from verify.scratch import private_scratch
+from verify.scratch import CACHE_VARS, private_scratch
 
-CACHES = (("XDG_CACHE_HOME", "xdg"), ("TRITON_CACHE_DIR", "triton"), ("HF_HOME", "huggingface"),
-          ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("MPLCONFIGDIR", "matplotlib"))
+# verify's own JIT caches (it makes the same ones writable for itself), and the Hugging Face cache
+CACHES = (*CACHE_VARS.items(), ("HF_HOME", "huggingface"))
 USER_VARS = ("LOGNAME", "USER", "LNAME", "USERNAME")   # what getpass.getuser() reads before passwd
 
 
