@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath
 
 from contracts import safe_yaml
 from contracts.errors import FixableError
-from entrypoint.data.linked_files import refuse_leaving
+from entrypoint.data.linked_files import inside, refuse_leaving
 from entrypoint.inputs import check_data_path
 
 README = "README.md"
@@ -32,11 +32,6 @@ class FolderRefused(FixableError):
         super().__init__(message, fix)
 
 
-def _inside(path: str | Path, root: Path) -> bool:
-    real = Path(os.path.realpath(path))
-    return real == root or root in real.parents
-
-
 def _read_readme(folder: Path, root: Path) -> str:
     path = folder / README
     try:
@@ -45,7 +40,7 @@ def _read_readme(folder: Path, root: Path) -> str:
         return ""
     except OSError as exc:
         raise FolderRefused(f"{path} cannot be read: {exc.strerror}", "check its permissions") from None
-    if not stat.S_ISREG(st.st_mode) or not _inside(path, root):
+    if not stat.S_ISREG(st.st_mode) or not inside(path, root, str(folder)):
         raise FolderRefused(f"{path} is not a regular file inside {folder}", "make README.md a plain file of the "
                             "dataset folder, or remove it")
     with open(path, "rb") as fh:
@@ -145,7 +140,7 @@ def splits(folder: str | Path, field: str = "data.path") -> dict[str, list[str]]
     config = _default_config(meta["configs"], folder) if meta.get("configs") else {}
     patterns, base = _patterns(config, folder)
     base = Path(os.path.realpath(base))
-    if not _inside(base, root) or not base.is_dir():
+    if not inside(base, root, str(folder)) or not base.is_dir():
         raise FolderRefused(f"{folder / README}: data_dir is not a folder inside {folder}",
                             "set data_dir to a folder of the dataset, relative to it")
     for pattern in (p for items in (patterns or {}).values() for p in items if not has_magic(p)):
