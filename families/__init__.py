@@ -26,12 +26,19 @@ from typing import Any, Literal
 from contracts import safe_yaml
 from contracts.errors import FixableError
 from contracts.schema import InvalidInput, Problems, Reader, rule
+from families import source_check
 
 FAMILIES_DIR = Path(__file__).resolve().parent
 DEFAULT_FAMILY = "qwen3_5_text"
 NAME = r"[a-z][a-z0-9_]{0,63}"
 DTYPES = ("bf16", "fp16")
 FEATURES = ("dropout", "alibi", "softcap", "sliding_window")
+# What the isolation probe measures in a layer kind: full attention, the gated delta rule (GDN),
+# Kimi delta attention (KDA), the depthwise causal conv and the Mamba2 SSD chunk scan.
+MEASURES = ("attention", "gdn", "kda", "conv", "ssd")
+# How transformers runs MoE experts (integrations/moe.py ALL_EXPERTS_FUNCTIONS, plus its
+# per-expert `eager` loop); training needs the grouped path.
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
 
 
 class UnknownFamily(FixableError):
@@ -48,7 +55,9 @@ class FamilyError(InvalidInput):
 class FusedFunction:
     function: str = field(metadata=rule(pattern=NAME))        # the name kernels declare in `replaces:`
     wrapper: str = field(metadata=rule(pattern=r"[A-Za-z_][A-Za-z0-9_]*"))  # wrapped modeling-module attribute
-    boundary_kwarg: str = field(metadata=rule(pattern=r"[a-z_]+"))  # carries document boundaries to the kernel
+    # carries document boundaries to the kernel: causal-conv1d and mamba-ssm take seq_idx (each
+    # token's document), fla takes cu_seqlens (document starts)
+    boundary_kwarg: Literal["seq_idx", "cu_seqlens"]
 
 
 # The one step of a layer kind with no fused functions (full attention): the attention function
@@ -72,7 +81,7 @@ class LayerKind:
     layer_class: str = field(metadata=rule(
         pattern=r"[A-Za-z_][A-Za-z0-9_]*",
         fix="name the token mixer's class in the modeling module, e.g. `layer_class: Qwen3_5GatedDeltaNet`"))
-    measure: tuple[Literal["attention", "gdn", "conv"], ...] = ()
+    measure: tuple[Literal["attention", "gdn", "kda", "conv", "ssd"], ...] = ()
     fused: tuple[FusedFunction, ...] = ()
     # alternative complete fused paths, each a list of `fused[].function` names that must all run in
     # one layer call (a layer that picks one kernel or another, e.g. Mamba2's split-conv1d-scan or
@@ -122,8 +131,23 @@ class Attention:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Experts:
+    """A MoE family's experts: transformers picks their implementation at load time
+    (`get_correct_experts_implementation`) and may take a per-expert fallback at run time."""
+
+    # the experts class, decorated with transformers' @use_experts_implementation
+    layer_class: str = field(metadata=rule(pattern=r"[A-Za-z_][A-Za-z0-9_]*"))
+    # what training needs: the grouped GEMM path (one op per step, not one per expert)
+    implementation: Literal["grouped_mm", "batched_mm"] = "grouped_mm"
+
+
+@dataclass(frozen=True, kw_only=True)
 class Family:
     name: str = field(metadata=rule(pattern=NAME))
+    # the config.json `model_type`s that name this family (a multimodal checkpoint's own type and
+    # its `text_config` type both count); verify maps a mounted model to its family by these
+    model_types: tuple[str, ...] = field(metadata=rule(each=lambda v: None if re.fullmatch(NAME, v) else (
+        f"{v!r} is not a model_type", "list transformers model_type names, e.g. [qwen3_5_moe, qwen3_5_moe_text]")))
     modeling_module: str = field(metadata=rule(pattern=r"transformers(\.[A-Za-z_][A-Za-z0-9_]*)+"))
     config_class: str = field(metadata=rule(pattern=r"[A-Za-z_][A-Za-z0-9_]*"))
     causal_lm_class: str = field(metadata=rule(pattern=r"[A-Za-z_][A-Za-z0-9_]*"))
@@ -131,8 +155,15 @@ class Family:
     hooks: str = field(metadata=rule(pattern=r"families\.[a-z0-9_]+"))
     dtypes: tuple[Literal["bf16", "fp16"], ...] = field(metadata=rule(
         check=lambda v: None if v else ("no dtypes listed", "list what the family trains in, e.g. [bf16]")))
+    # the config attribute naming each decoder layer's kind (its values are the keys of
+    # layer_kinds); null: every decoder layer holds every kind side by side (Falcon-H1)
+    layer_types_key: str | None = field(default="layer_types", metadata=rule(pattern=r"[a-z_][a-z0-9_]*"))
     layer_kinds: dict[str, LayerKind]
     attention: Attention
+    experts: Experts | None = None
+    # model kwargs our trainer adds to a packed batch because the pinned modeling code never
+    # derives them: kwarg -> the collated key (contracts.collate) whose tensor it carries
+    batch_adds: dict[str, str] = field(default_factory=dict)
     flavours: dict[str, dict[str, Any]]
 
     @property
@@ -164,6 +195,14 @@ def known_families() -> tuple[str, ...]:
     return tuple(sorted(p.stem for p in FAMILIES_DIR.glob("*.yaml") if re.fullmatch(NAME, p.stem)))
 
 
+def family_for_model_type(model_type: str, names) -> str | None:
+    """Which of the families `names` covers a config.json `model_type` (None: none does)."""
+    for name in names:
+        if model_type in load_family(name).model_types:
+            return name
+    return None
+
+
 @cache
 def load_family(name: str) -> Family:
     """The family's facts; UnknownFamily if there is no such family, FamilyError if its file is bad."""
@@ -189,6 +228,8 @@ def read_family(name: str, data: Any, problems: Problems) -> Family | None:
         problems.add(file, "name", f"the file says {family.name!r}", f"set name: {name}")
     if family is not None:
         _check_paths(family, problems, file)
+        for where, problem, fix in source_check.problems(family):
+            problems.add(file, where, problem, fix, "transformers-source")
     return family
 
 
