@@ -118,12 +118,21 @@ class BuildLock:
     # {"remote_cache_trust": "unsigned"}: remote cache entries were used without a verified
     # signature (`--trust-unsigned-cache`).
     build: dict[str, str] = field(default_factory=dict)
+    # every family of an image built for several (model_family is then the first); written only
+    # when set, so a one-family lock is byte-identical to one from before it existed
+    model_families: tuple[str, ...] = ()
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        """The model families the image was built and proven for."""
+        return self.model_families or (self.model_family,)
 
     def to_json(self) -> str:
         """Canonical JSON: sorted keys, fixed separators, so equal locks are byte-identical."""
         data = asdict(self)
-        if not data["build"]:
-            del data["build"]
+        for optional in ("build", "model_families"):
+            if not data[optional]:
+                del data[optional]
         return json.dumps(data, sort_keys=True, indent=2, ensure_ascii=True) + "\n"
 
     def sha256(self) -> str:
@@ -151,6 +160,7 @@ class BuildLock:
             packages = tuple(_build(LockedPackage, p) for p in data.get("packages", ()))
             scalar = {k: v for k, v in data.items() if k not in ("kernels", "packages")}
             scalar["target_archs"] = tuple(scalar.get("target_archs", ()))
+            scalar["model_families"] = tuple(scalar.get("model_families", ()))
             return cls(kernels=kernels, packages=packages, **scalar)
         except (TypeError, AttributeError) as exc:
             raise LockError(f"lock has an unexpected shape: {exc}", "rebuild the image") from None

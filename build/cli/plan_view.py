@@ -1,8 +1,9 @@
 """Human-readable rendering of a BuildPlan (the JSON form is BuildPlan.to_json)."""
 from __future__ import annotations
 
-from build.resolve import BuildPlan
+from build.resolve import BuildPlan, family_needs
 from contracts.table import render_table
+from families import load_family
 
 
 def specialisation_text(kernel, *, short: bool = False) -> str:
@@ -31,12 +32,14 @@ def render_plan(plan: BuildPlan, kernel_status: dict[str, tuple[str, str]] | Non
         f"archs      {', '.join(spec.target_archs) or '(none: CPU image)'}",
         f"bases      builder {spec.builder_base.describe()}, runtime {spec.runtime_base.describe()}",
         f"runtime    user {spec.user.name} (uid {spec.user.uid}, gid {spec.gid}), "
-        f"attention {spec.attn_implementation}, model family {spec.model_family}",
+        f"attention {spec.attn_implementation}, model "
+        f"{'families' if len(spec.families) > 1 else 'family'} {', '.join(spec.families)}",
         "kernels    " + ("specialised to the model family" if spec.specialise_kernels
                             else "generic (specialise_kernels: false)"),
         f"python     {len(plan.python_requirements)} pinned requirements: {', '.join(plan.python_requirements)}",
         "",
     ]
+    out += [family_table(plan), ""]
     if not plan.kernels:
         out.append("kernels    (none)")
         return "\n".join(out)
@@ -56,3 +59,22 @@ def render_plan(plan: BuildPlan, kernel_status: dict[str, tuple[str, str]] | Non
         if k.build_env:
             out.append(f"build env  {k.name}: " + " ".join(f"{e}={v}" for e, v in sorted(k.build_env.items())))
     return "\n".join(out)
+
+
+def family_table(plan: BuildPlan) -> str:
+    """Per family: each fused function its layers need and the kernel of this image that provides
+    it (resolve refused a CUDA image where none does)."""
+    families = tuple(load_family(name) for name in plan.spec.families)
+    kernels = [_Provides(k.name, k.replaces) for k in plan.kernels]
+    cuda = plan.toolchain.cuda != "cpu"
+    rows = [[n.family, n.kind, n.function, n.provider]
+            for n in family_needs.needs(families, kernels, cuda=cuda,
+                                        modeling_code=family_needs.ships_transformers(plan.spec))]
+    return render_table(rows, ["FAMILY", "LAYER KIND", "FUSED FUNCTION", "PROVIDED BY"])
+
+
+class _Provides:
+    """The two facts family_needs reads from a kernel, taken from the plan (what it records)."""
+
+    def __init__(self, name: str, replaces: tuple[str, ...]):
+        self.name, self.replaces = name, replaces

@@ -49,7 +49,8 @@ def make_lock(plan: BuildPlan, wheels: tuple[Wheel, ...], kernel_wheels: tuple[K
         next((p.version for p in packages if p.name == "torch"), "") or tc.torch_version
     return BuildLock(image=plan.spec.name, plan_key=plan.plan_key, python=tc.python, torch=torch_version,
                      cuda=tc.cuda, cxx11_abi=tc.cxx11_abi, compiler=tc.compiler, transformers=transformers,
-                     model_family=plan.spec.model_family, target_archs=plan.spec.target_archs,
+                     model_family=plan.spec.families[0],
+                     model_families=plan.spec.model_families, target_archs=plan.spec.target_archs,
                      attn_implementation=plan.spec.attn_implementation,
                      kernels=locked_kernels(plan, kernel_wheels), packages=packages,
                      base_images=dict(sorted(base_ids.items())), finetune_defaults=plan.spec.finetune_defaults,

@@ -93,7 +93,7 @@ def image_labels(plan: BuildPlan, base_refs: dict[str, str], epoch: int) -> dict
         "io.ftimage.toolchain": plan.toolchain.name,
         "io.ftimage.target-archs": ",".join(plan.spec.target_archs),
         "io.ftimage.kernels": ",".join(f"{k.name}@{k.version}" for k in plan.kernels),
-        "io.ftimage.model-family": plan.spec.model_family,
+        "io.ftimage.model-family": ",".join(plan.spec.families),
         "io.ftimage.lock.path": str(LOCK_PATH),
         "io.ftimage.gate": GATE,
     })

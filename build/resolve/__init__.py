@@ -15,7 +15,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from build.resolve import compat_checks
+from build.resolve import compat_checks, family_needs
 from build.resolve.build_plan import BuildPlan, CompileEstimate, KernelPlan, canonical_json, digest
 from build.resolve.specialise import estimate, specialise
 from build.spec import (
@@ -56,14 +56,18 @@ def load_plan(image_dir: Path, manifest_path: Path = MANIFEST_PATH) -> BuildPlan
     return resolve(spec, manifest, problems)
 
 
-def _family(spec: ImageSpec, problems: Problems) -> Family | None:
-    try:
-        return load_family(spec.model_family)
-    except UnknownFamily:
-        return None  # reported by the image spec's own validation
-    except FamilyError as exc:
-        problems.items.extend(exc.problems)
-        return None
+def _families(spec: ImageSpec, problems: Problems) -> tuple[Family, ...]:
+    """The image's families; empty when one of them is unusable (its problems are recorded)."""
+    found = []
+    for name in spec.families:
+        try:
+            found.append(load_family(name))
+        except UnknownFamily:
+            return ()  # reported by the image spec's own validation
+        except FamilyError as exc:
+            problems.items.extend(exc.problems)
+            return ()
+    return tuple(found)
 
 
 def resolve(spec: ImageSpec, manifest: Manifest, problems: Problems | None = None, *,
@@ -92,7 +96,7 @@ def resolve(spec: ImageSpec, manifest: Manifest, problems: Problems | None = Non
     if not host:
         compat_checks.toolchain(problems, toolchain)
     compat_checks.archs(problems, spec_file, spec, toolchain)
-    family = _family(spec, problems)
+    families = _families(spec, problems)
     if spec.attn_implementation == "flash_attention_2" and not any(
             "attention:flash_attention_2" in manifest.kernels[k].replaces for k in spec.kernels if k in
             manifest.kernels) and not any(f"kernels.{k}" in manifest.broken for k in spec.kernels):
@@ -109,12 +113,13 @@ def resolve(spec: ImageSpec, manifest: Manifest, problems: Problems | None = Non
         elif kernel not in kernels:
             compat_checks.kernel(problems, spec_file, f"kernels[{i}]", kernel, spec, toolchain)
             kernels.append(kernel)
-    specialised = {k.name: specialise(k, spec, family, problems, spec_file) for k in kernels}
+    specialised = {k.name: specialise(k, spec, families, problems, spec_file) for k in kernels}
+    used = family_needs.check(problems, spec_file, spec, toolchain, families, kernels, manifest.kernels)
     requirements = _merge_requirements(problems, spec_file, spec, kernels)
     if not host:
         compat_checks.runtime_constraints(problems, spec_file, spec, kernels, requirements)
     problems.raise_if_any(SpecErrors)
-    kernel_plans = [_plan_kernel(k, spec, toolchain, torch_wheel, *specialised[k.name]) for k in kernels]
+    kernel_plans = [_plan_kernel(k, spec, toolchain, torch_wheel, *specialised[k.name], used) for k in kernels]
 
     body = {
         "schema": 2,
@@ -132,7 +137,9 @@ def resolve(spec: ImageSpec, manifest: Manifest, problems: Problems | None = Non
         "python_requirements": list(requirements),
         "runtime": {"user": spec.user.name, "uid": spec.user.uid, "gid": spec.gid,
                     "attn_implementation": spec.attn_implementation},
-        "model_family": spec.model_family,
+        # the one-family form keeps its old key, so a one-family image's plan key does not move
+        **({"model_families": list(spec.model_families)} if spec.model_families
+           else {"model_family": spec.model_family}),
         "labels": dict(sorted(spec.labels.items())),
         "finetune_defaults": spec.finetune_defaults,
     }
@@ -146,7 +153,7 @@ def _applicable_patches(kernel: Kernel, toolchain: Toolchain) -> tuple[SourcePat
 
 
 def _plan_kernel(kernel: Kernel, spec: ImageSpec, toolchain: Toolchain, torch_wheel: PinnedFile,
-                 specialisation: Specialisation, specialise_env: dict[str, str]) -> KernelPlan:
+                 specialisation: Specialisation, specialise_env: dict[str, str], used: frozenset[str]) -> KernelPlan:
     archs = tuple(sorted(spec.target_archs, key=lambda a: int(a[3:])))
     build_env = dict(kernel.build_env)
     if kernel.arch_knob:
@@ -172,8 +179,11 @@ def _plan_kernel(kernel: Kernel, spec: ImageSpec, toolchain: Toolchain, torch_wh
                       sources=sources, patches=patches, build_env=build_env, archs=archs,
                       forward_entry_points=kernel.forward_entry_points,
                       backward_entry_points=kernel.backward_entry_points,
-                      other_entry_points=kernel.other_entry_points, replaces=kernel.replaces,
-                      python_api=dict(kernel.python_api),
+                      other_entry_points=kernel.other_entry_points,
+                      # only what the image's families use: a function a kernel adds for another
+                      # family does not move this image's plan
+                      replaces=tuple(r for r in kernel.replaces if r in used),
+                      python_api={f: s for f, s in kernel.python_api.items() if f in used},
                       profile_kernels={"forward": kernel.profile_kernels.forward,
                                        "backward": kernel.profile_kernels.backward},
                       runtime_requires=kernel.runtime_requires, build_requires=kernel.build_requires,

@@ -25,12 +25,13 @@ def head_dim_is_even(head_dim: int) -> bool:
     return head_dim % 32 == 0 and head_dim <= 256
 
 
-def specialise(kernel: Kernel, spec: ImageSpec, family: Family | None, problems: Problems,
+def specialise(kernel: Kernel, spec: ImageSpec, families: tuple[Family, ...], problems: Problems,
                spec_file: str) -> tuple[Specialisation, dict[str, str]]:
-    """(what the kernel is trimmed to, the env knobs that do it). Generic when the kernel has no
-    knobs, the image opts out (specialise_kernels: false) or the family is unknown."""
+    """(what the kernel is trimmed to, the env knobs that do it): the union of what the image's
+    families need (every head dim, dtype and attention feature any of them uses). Generic when
+    the kernel has no knobs, the image opts out (specialise_kernels: false) or a family is unknown."""
     knobs = kernel.specialise
-    if knobs is None or not spec.specialise_kernels or family is None:
+    if knobs is None or not spec.specialise_kernels or not families:
         return Specialisation(), {}
     if knobs.serves and spec.attn_implementation not in knobs.serves:
         problems.add(spec_file, "runtime.attn_implementation",
@@ -39,34 +40,37 @@ def specialise(kernel: Kernel, spec: ImageSpec, family: Family | None, problems:
                      f"set runtime.attn_implementation: {knobs.serves[0]}, or drop {kernel.name} from kernels",
                      "specialise-conflict")
         return Specialisation(), {}
-    family_file = f"families/{family.name}.yaml"
-    ok = _dtypes_fit(kernel, spec, family, problems, spec_file, family_file)
+    ok = all([_dtypes_fit(kernel, spec, family, problems, spec_file, f"families/{family.name}.yaml")
+              for family in families])
+    all_head_dims = sorted({d for family in families for d in family.attention.head_dims})
     head_dims: tuple[int, ...] = ()
     if knobs.head_dims is not None:
-        head_dims = tuple(sorted(family.attention.head_dims))
-        for i, head_dim in enumerate(family.attention.head_dims):
-            if str(head_dim) not in knobs.head_dims.supported:
-                problems.add(family_file, f"attention.head_dims[{i}]",
-                             f"{kernel.name} {kernel.version} has no kernel for head dim {head_dim} "
-                             f"(it has {', '.join(knobs.head_dims.supported)})",
-                             f"fix the family's head dims, or set specialise_kernels: false in {spec_file} "
-                             "if the model needs a kernel this package cannot build", "unsupported-head-dim")
-                ok = False
+        head_dims = tuple(all_head_dims)
+        for family in families:
+            for i, head_dim in enumerate(family.attention.head_dims):
+                if str(head_dim) not in knobs.head_dims.supported:
+                    problems.add(f"families/{family.name}.yaml", f"attention.head_dims[{i}]",
+                                 f"{kernel.name} {kernel.version} has no kernel for head dim {head_dim} "
+                                 f"(it has {', '.join(knobs.head_dims.supported)})",
+                                 f"fix the family's head dims, or set specialise_kernels: false in {spec_file} "
+                                 "if the model needs a kernel this package cannot build", "unsupported-head-dim")
+                    ok = False
     if not ok:
         return Specialisation(), {}
     sep = knobs.separator
-    dtypes = tuple(sorted(family.dtypes))
+    dtypes = tuple(sorted({d for family in families for d in family.dtypes}))
     env = {knobs.dtypes.env: sep.join(dtypes)}
     if knobs.head_dims is not None:
         env[knobs.head_dims.env] = sep.join(str(d) for d in head_dims)
     disabled: tuple[str, ...] = ()
     if knobs.disable is not None:
-        used = set(family.attention.features.used())
-        if not all(head_dim_is_even(d) for d in family.attention.head_dims):
+        used = {f for family in families for f in family.attention.features.used()}
+        if not all(head_dim_is_even(d) for d in all_head_dims):
             used.add("uneven_head_dim")
         disabled = tuple(f for f in knobs.disable.features if f not in used)
         env[knobs.disable.env] = sep.join(knobs.disable.features[f] for f in disabled)
-    return Specialisation(head_dims=head_dims, dtypes=dtypes, disabled=disabled, family=family.name), env
+    return Specialisation(head_dims=head_dims, dtypes=dtypes, disabled=disabled,
+                          family=", ".join(f.name for f in families)), env
 
 
 def _dtypes_fit(kernel: Kernel, spec: ImageSpec, family: Family, problems: Problems, spec_file: str,

@@ -362,10 +362,17 @@ class ImageSpec:
     python: PythonSection = field(default_factory=PythonSection)
     runtime: RuntimeSection = field(metadata=rule(fix="add runtime: {user: trainer, uid: 10001}"))
     labels: dict[str, str] = field(default_factory=dict)
-    model_family: str
+    # the one-family form; an image for several families lists them in model_families instead
+    model_family: str = ""
+    model_families: tuple[str, ...] = ()
     finetune: FinetuneSection = field(default_factory=FinetuneSection)
     directory: Path = field(init=False, default=Path("."))
     finetune_defaults: dict[str, Any] = field(init=False, default_factory=dict)
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        """The model families the image trains, in the order image.yaml lists them."""
+        return self.model_families or ((self.model_family,) if self.model_family else ())
 
     @property
     def builder_base(self) -> BaseRef:

@@ -209,9 +209,27 @@ def image(spec: ImageSpec, file: str, problems: Problems) -> None:
     if spec.runtime.gid and spec.runtime.gid < UID_RANGE[0]:
         problems.add(file, "runtime.gid", f"gid {spec.runtime.gid} is a system group",
                      f"use a gid in {UID_RANGE[0]}..{UID_RANGE[1]}, or leave it out to use the uid", "root-user")
-    if spec.model_family not in known_families() and not problems.touches(file, "model_family"):
-        problems.add(file, "model_family", f"unknown model family {spec.model_family!r}",
-                     f"use one of: {', '.join(known_families())} (families/*.yaml)", "unknown-family")
+    _check_families(spec, file, problems)
+
+
+def _check_families(spec: ImageSpec, file: str, problems: Problems) -> None:
+    if spec.model_family and spec.model_families:
+        problems.add(file, "model_families", "both model_family and model_families are given",
+                     "keep model_family for one family, or list every family under model_families", "both-families")
+        return
+    if not spec.families:
+        if not problems.touches(file, "model_family") and not problems.touches(file, "model_families"):
+            problems.add(file, "model_families", "no model family is named",
+                         f"add model_family: NAME or model_families: [NAME, ...] with names from: "
+                         f"{', '.join(known_families())}", "missing-field")
+        return
+    where = "model_families" if spec.model_families else "model_family"
+    _duplicates(spec.model_families, "model_families", file, problems, "family")
+    for i, name in enumerate(spec.families):
+        field = f"model_families[{i}]" if spec.model_families else "model_family"
+        if name not in known_families() and not problems.touches(file, field):
+            problems.add(file, field if spec.model_families else where, f"unknown model family {name!r}",
+                         f"use one of: {', '.join(known_families())} (families/*.yaml)", "unknown-family")
 
 
 def _duplicates(values: tuple[str, ...], field: str, file: str, problems: Problems, what: str) -> None:
