@@ -159,6 +159,13 @@ class Family:
     # layer_kinds); null: every decoder layer holds every kind side by side (Falcon-H1)
     layer_types_key: str | None = field(default="layer_types", metadata=rule(pattern=r"[a-z_][a-z0-9_]*"))
     layer_kinds: dict[str, LayerKind]
+    # values of the layer-types attribute whose layers hold no token mixer (Nemotron-H's `moe` and
+    # `mlp` blocks: an MoE or MLP where other layers hold Mamba2 or attention). They have nothing to
+    # fuse and no boundary to honour, and a LayerKind without fused functions means "attention
+    # path", so they stay out of layer_kinds; code walking layers by kind skips these.
+    mixerless_layer_types: tuple[str, ...] = field(default=(), metadata=rule(
+        each=lambda v: None if re.fullmatch(NAME, v) else (f"{v!r} is not a layer type name",
+                                                           "list layer-type values, e.g. [moe, mlp]")))
     attention: Attention
     experts: Experts | None = None
     # model kwargs our trainer adds to a packed batch because the pinned modeling code never
@@ -200,6 +207,29 @@ def family_for_model_type(model_type: str, names) -> str | None:
     for name in names:
         if model_type in load_family(name).model_types:
             return name
+    return None
+
+
+def model_types_of(config) -> tuple[str, ...]:
+    """The model_types a config names (a transformers config or a config.json dict): its own, then
+    its text_config's (a multimodal checkpoint nests the text model there)."""
+    def get(obj, key):
+        return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
+
+    found = []
+    for candidate in (config, get(config, "text_config")):
+        model_type = get(candidate, "model_type") if candidate is not None else None
+        if isinstance(model_type, str) and model_type:
+            found.append(model_type)
+    return tuple(found)
+
+
+def family_of_config(config, names) -> str | None:
+    """Which of the families `names` covers a model config (None: none of them does)."""
+    for model_type in model_types_of(config):
+        found = family_for_model_type(model_type, names)
+        if found:
+            return found
     return None
 
 

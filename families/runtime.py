@@ -49,9 +49,15 @@ def decoder_layers(family: Family, model):
     return node
 
 
-def layer_kinds(model) -> dict[int, str]:
-    """layer index -> "full_attention" | "linear_attention", from the model's own config."""
-    return dict(enumerate(model.config.layer_types[: model.config.num_hidden_layers]))
+def layer_kinds(family: Family, model) -> dict[int, tuple[str, ...]]:
+    """layer index -> the family's layer kinds that layer holds, from the model's own config
+    (`layer_types_key`); every kind in every layer where the family says so (Falcon-H1). A layer
+    type the family does not list (one with no token mixer) holds none."""
+    n = model.config.num_hidden_layers
+    if family.layer_types_key is None:
+        return {i: tuple(family.layer_kinds) for i in range(n)}
+    types = list(getattr(model.config, family.layer_types_key))[:n]
+    return {i: ((t,) if t in family.layer_kinds else ()) for i, t in enumerate(types)}
 
 
 def mixer(family: Family, layer, kind: str):
@@ -64,3 +70,19 @@ def probe_dtype(device: str):
     """fp32 on CPU (float noise ~1e-6); bf16 on CUDA, because flash-attn and fla's chunk kernel
     refuse fp32 ("ChunkGatedDeltaRuleFunction does not support float32")."""
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+def add_batch_kwargs(family: Family, model) -> None:
+    """Make every forward of `model` carry the family's `batch_adds` (e.g. Kimi Linear's
+    cu_seqlens from the collated cu_seq_lens_q): the pinned modeling code never derives them,
+    and its kernels leak packed documents without them. Only packed batches hold the source key,
+    so an unpacked forward is unchanged."""
+    if not family.batch_adds:
+        return
+
+    def add(module, args, kwargs):
+        extra = {k: kwargs[src] for k, src in family.batch_adds.items() if src in kwargs and k not in kwargs}
+        return (args, {**kwargs, **extra}) if extra else None
+
+    model.register_forward_pre_hook(add, with_kwargs=True)
+

@@ -5,14 +5,20 @@ Three runs of the same tiny model on the same documents:
   * packed: all documents in one row with position_ids, cu_seq_lens and seq_idx (collate_packed);
   * withheld: the same row with the boundary information withheld (negative control).
 
-Per layer kind we teacher-force: each token mixer (attention / GDN) of the packed run is fed the
-concatenation of the inputs it saw in the separate runs, and inside GDN the conv output is forced
-too. So each kind's number is its OWN leak, not leak inherited from earlier layers:
+Per layer kind we teacher-force: each token mixer of the packed run is fed the concatenation of
+the inputs it saw in the separate runs, and inside a mixer with a causal conv the conv output is
+forced too. So each number is that kind's OWN leak, not leak inherited from earlier layers:
   * attention: the full-attention module's output;
   * conv:      causal_conv1d_fn's output (the conv leaks only the previous document's last
-               width-1 = 3 tokens per boundary, so forcing is what makes it visible on its own);
-  * gdn:       the delta-rule core output (input to the gated norm), with the conv output forced.
+               width-1 tokens per boundary, so forcing is what makes it visible on its own);
+  * gdn / kda / ssd: the mixer's output with its input and its conv output forced, so what is
+               left is the recurrent core: the gated delta rule, Kimi delta attention, or the
+               Mamba2 SSD chunk scan (the gated norm and projections after it act per token).
 End to end (not forced): logits, and parameter gradients of the summed token loss.
+
+The probe model runs in eval mode: a Mamba2 mixer in training with no cache calls the fused
+split-conv1d-scan instead, whose conv cannot be observed on its own; the runtime guard watches
+that path in training.
 """
 from __future__ import annotations
 
@@ -22,11 +28,12 @@ from dataclasses import dataclass, field
 import torch
 
 from contracts.collate import Document, collate_packed, collate_unpacked
-from families import Family
+from families import MEASURES, Family
 from families import runtime as family_runtime
 from verify.probe import BUDGET, DOC_LENGTHS, batch_to, sample_documents, token_loss_sum
 
-KINDS = ("attention", "gdn", "conv")
+KINDS = MEASURES        # attention, gdn, kda, conv, ssd
+CORES = ("gdn", "kda", "ssd")   # measured on the mixer output, input and conv forced
 
 
 @dataclass
@@ -66,27 +73,31 @@ def withhold_boundaries(batch: dict) -> dict:
             "position_ids": torch.arange(n, device=batch["input_ids"].device)[None]}
 
 
-class _Recorder:
-    """Hooks that record (and optionally force) per-layer tensors as (T, features)."""
+Key = tuple[int, str]    # (decoder layer index, layer kind): Falcon-H1 holds two kinds per layer
 
-    def __init__(self, model, module, family: Family, conv_wrapper: str):
+
+class _Recorder:
+    """Hooks that record (and optionally force) per-mixer tensors as (T, features)."""
+
+    def __init__(self, model, module, family: Family, conv_wrapper: str | None):
         self.model, self.module, self.family, self.conv_wrapper = model, module, family, conv_wrapper
-        self.mixer_in: dict[int, torch.Tensor] = {}
-        self.mixer_out: dict[int, torch.Tensor] = {}
-        self.conv_out: dict[int, torch.Tensor] = {}
-        self.core_out: dict[int, torch.Tensor] = {}
-        self.force: dict[str, dict[int, torch.Tensor]] | None = None  # kind -> layer -> (T, F) teacher
-        self.current_layer = -1
+        self.mixer_in: dict[Key, torch.Tensor] = {}
+        self.mixer_out: dict[Key, torch.Tensor] = {}
+        self.conv_out: dict[Key, torch.Tensor] = {}
+        self.force: dict[str, dict[Key, torch.Tensor]] | None = None  # "input"/"conv" -> key -> (T, F) teacher
+        self.current: Key | None = None
         self.conv_kwargs: set[str] = set()
 
     def mixers(self):
-        kinds = family_runtime.layer_kinds(self.model)
+        kinds = family_runtime.layer_kinds(self.family, self.model)
         for idx, layer in enumerate(family_runtime.decoder_layers(self.family, self.model)):
-            kind = kinds[idx]
-            yield idx, family_runtime.mixer(self.family, layer, kind), "conv" in self.family.layer_kinds[kind].measure
+            for kind in kinds.get(idx, ()):
+                mixer = family_runtime.mixer(self.family, layer, kind)
+                if mixer is not None:
+                    yield (idx, kind), mixer
 
-    def _forced(self, kind: str, idx: int, own: torch.Tensor) -> torch.Tensor:
-        teacher = self.force[kind][idx]      # real-document tokens only; the dummy keeps its own values
+    def _forced(self, what: str, key: Key, own: torch.Tensor) -> torch.Tensor:
+        teacher = self.force[what][key]      # real-document tokens only; the dummy keeps its own values
         out = own.clone()
         out[: teacher.shape[0]] = teacher.to(own.dtype)
         return out
@@ -94,60 +105,54 @@ class _Recorder:
     @contextmanager
     def attached(self):
         handles = []
-        original_conv = getattr(self.module, self.conv_wrapper)
+        original_conv = getattr(self.module, self.conv_wrapper) if self.conv_wrapper else None
 
-        def pre(idx):
+        def pre(key):
             def hook(mod, args, kwargs):
-                self.current_layer = idx
+                self.current = key
                 # transformers 5.18 passes hidden_states by keyword; accept positional too
                 positional = "hidden_states" not in kwargs
                 hs = args[0] if positional else kwargs["hidden_states"]
                 if self.force is not None:
-                    hs = self._forced("input", idx, hs[0])[None]
+                    hs = self._forced("input", key, hs[0])[None]
                     if positional:
                         args = (hs, *args[1:])
                     else:
                         kwargs = {**kwargs, "hidden_states": hs}
-                self.mixer_in[idx] = hs[0].detach()
+                self.mixer_in[key] = hs[0].detach()
                 return args, kwargs
             return hook
 
-        def post(idx):
+        def post(key):
             def hook(mod, args, kwargs, output):
                 out = output[0] if isinstance(output, tuple) else output
-                self.mixer_out[idx] = out[0].detach()
-            return hook
-
-        def core(idx, n_tokens_of):
-            def hook(mod, args):
-                self.core_out[idx] = args[0].detach().reshape(n_tokens_of(), -1)
+                self.mixer_out[key] = out[0].detach()
             return hook
 
         def conv_shim(*args, **kwargs):
             self.conv_kwargs.update(kwargs)
             out = original_conv(*args, **kwargs)      # (B, D, T)
-            idx = self.current_layer
-            self.conv_out[idx] = out[0].transpose(0, 1).detach()
-            if self.force is not None:
-                return self._forced("conv", idx, out[0].transpose(0, 1)).transpose(0, 1)[None]
+            key = self.current
+            self.conv_out[key] = out[0].transpose(0, 1).detach()
+            if self.force is not None and key in self.force["conv"]:
+                return self._forced("conv", key, out[0].transpose(0, 1)).transpose(0, 1)[None]
             return out
 
-        for idx, mixer, is_gdn in self.mixers():
-            handles.append(mixer.register_forward_pre_hook(pre(idx), with_kwargs=True))
-            handles.append(mixer.register_forward_hook(post(idx), with_kwargs=True))
-            if is_gdn:
-                handles.append(mixer.norm.register_forward_pre_hook(
-                    core(idx, lambda i=idx: self.mixer_in[i].shape[0])))
-        setattr(self.module, self.conv_wrapper, conv_shim)
+        for key, mixer in self.mixers():
+            handles.append(mixer.register_forward_pre_hook(pre(key), with_kwargs=True))
+            handles.append(mixer.register_forward_hook(post(key), with_kwargs=True))
+        if self.conv_wrapper:
+            setattr(self.module, self.conv_wrapper, conv_shim)
         try:
             yield self
         finally:
-            setattr(self.module, self.conv_wrapper, original_conv)
+            if self.conv_wrapper:
+                setattr(self.module, self.conv_wrapper, original_conv)
             for h in handles:
                 h.remove()
 
 
-def _concat(per_doc: list[dict[int, torch.Tensor]]) -> dict[int, torch.Tensor]:
+def _concat(per_doc: list[dict[Key, torch.Tensor]]) -> dict[Key, torch.Tensor]:
     return {idx: torch.cat([d[idx] for d in per_doc]) for idx in per_doc[0]}
 
 
@@ -158,7 +163,7 @@ def max_diff(packed: torch.Tensor, reference: torch.Tensor) -> tuple[float, floa
     return diff, diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
 
 
-def _layers_diff(packed: dict[int, torch.Tensor], reference: dict[int, torch.Tensor], layers: list[int],
+def _layers_diff(packed: dict[Key, torch.Tensor], reference: dict[Key, torch.Tensor], layers: list[Key],
                  n_real: int) -> tuple[float, float]:
     pairs = [(packed[i][:n_real], reference[i]) for i in layers if i in packed]
     if not pairs:
@@ -173,27 +178,44 @@ def _run(model, batch, device):
     return model(**inputs, use_cache=False).logits
 
 
-def measure(model, module, family: Family, *, device: str, conv_wrapper: str = "causal_conv1d_fn",
-            lengths=DOC_LENGTHS, budget: int = BUDGET, seed: int = 0) -> Measurement:
+def conv_wrapper_of(family: Family) -> str | None:
+    """The modeling module's causal_conv1d_fn wrapper, when a layer kind measures its conv."""
+    for kind in family.layer_kinds.values():
+        if "conv" in kind.measure:
+            for fused in kind.fused:
+                if fused.function == "causal_conv1d_fn":
+                    return fused.wrapper
+    return None
+
+
+def measured_keys(family: Family, model) -> dict[str, list[Key]]:
+    """measure (attention, gdn, kda, conv, ssd) -> the (layer, kind) mixers it is read from."""
+    found: dict[str, list[Key]] = {}
+    for idx, kinds in family_runtime.layer_kinds(family, model).items():
+        for kind in kinds:
+            for what in family.layer_kinds[kind].measure:
+                found.setdefault(what, []).append((idx, kind))
+    return found
+
+
+def measure(model, module, family: Family, *, device: str, lengths=DOC_LENGTHS, budget: int = BUDGET,
+            seed: int = 0) -> Measurement:
     docs = sample_documents(lengths, model.config.vocab_size, seed=seed)
     n_real = sum(lengths)
-    kinds = family_runtime.layer_kinds(model)
-    attn_layers = [i for i, k in kinds.items() if "attention" in family.layer_kinds[k].measure]
-    gdn_layers = [i for i, k in kinds.items() if "gdn" in family.layer_kinds[k].measure]
-    rec = _Recorder(model, module, family, conv_wrapper)
-    m = Measurement(layers={"attention": attn_layers, "gdn": gdn_layers, "conv": gdn_layers})
+    keys = measured_keys(family, model)
+    rec = _Recorder(model, module, family, conv_wrapper_of(family))
+    m = Measurement(layers={what: [idx for idx, _ in found] for what, found in keys.items()})
     packed_batch = collate_packed(docs, budget=budget, pad_token_id=0)
 
     with rec.attached():
         # 1. separate runs: reference activations, logits and summed gradients
         model.zero_grad(set_to_none=True)
-        sep = {"input": [], "out": [], "conv": [], "core": [], "logits": []}
+        sep = {"input": [], "out": [], "conv": [], "logits": []}
         for doc in docs:
             single = collate_unpacked(doc)
             logits = _run(model, single, device)
             token_loss_sum(logits, single["labels"].to(device)).backward()
-            for key, src in (("input", rec.mixer_in), ("out", rec.mixer_out), ("conv", rec.conv_out),
-                             ("core", rec.core_out)):
+            for key, src in (("input", rec.mixer_in), ("out", rec.mixer_out), ("conv", rec.conv_out)):
                 sep[key].append(dict(src))
             sep["logits"].append(logits[0].detach())
         ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -227,10 +249,9 @@ def measure(model, module, family: Family, *, device: str, conv_wrapper: str = "
                 for label, batch in (("packed", packed_batch), ("withheld", withhold_boundaries(packed_batch))):
                     _run(model, batch, device)
                     rel, absolute = (m.packed, m.packed_abs) if label == "packed" else (m.withheld, m.withheld_abs)
-                    for kind, got, want, layers in (("attention", rec.mixer_out, ref["out"], attn_layers),
-                                                    ("conv", rec.conv_out, ref["conv"], gdn_layers),
-                                                    ("gdn", rec.core_out, ref["core"], gdn_layers)):
-                        absolute[kind], rel[kind] = _layers_diff(got, want, layers, n_real)
+                    for what, found in keys.items():
+                        got, want = (rec.conv_out, ref["conv"]) if what == "conv" else (rec.mixer_out, ref["out"])
+                        absolute[what], rel[what] = _layers_diff(got, want, found, n_real)
             finally:
                 rec.force = None
     return m

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from contracts.errors import FixableError
 from contracts.lock import LockError, load_lock, lock_path
-from families import DEFAULT_FAMILY, FamilyError, UnknownFamily, load_family
+from families import DEFAULT_FAMILY, FamilyError, UnknownFamily, family_of_config, known_families, load_family
+from families import model_types_of
 from verify.checks.model_fit import ModelConfigError, read_model_config
 from verify.context import Context
 from verify.report import CheckResult, Report, Status
@@ -63,7 +64,8 @@ def _lock_row(path: Path) -> tuple[CheckResult, object]:
     except LockError as exc:
         return CheckResult("lock", Status.FAIL, str(exc), exc.fix), None
     return CheckResult("lock", Status.PASS, f"{path}: image={lock.image} sha256={lock.sha256()[:12]} "
-                       f"torch={lock.torch} cuda={lock.cuda} family={lock.model_family}",
+                       f"torch={lock.torch} cuda={lock.cuda} "
+                       f"{'families' if len(lock.families) > 1 else 'family'}={','.join(lock.families)}",
                        data={"path": str(path), "sha256": lock.sha256()}), lock
 
 
@@ -94,34 +96,86 @@ def run_checks(checks: str | Sequence[str] | None = None, *, device: str = "auto
         lock_row, build_lock = CheckResult("lock", Status.SKIP, NO_LOCK_DETAIL, data={"no_lock": True}), None
     else:
         lock_row, build_lock = _lock_row(Path(lock) if lock else lock_path())
-    family = None
-    family_name = build_lock.model_family if build_lock else DEFAULT_FAMILY
-    if build_lock is None:
-        lock_row = CheckResult(lock_row.check, lock_row.status,
-                               f"{lock_row.detail} (the probes assume model family {family_name})", lock_row.fix)
+    proven = build_lock.families if build_lock else (DEFAULT_FAMILY,)
     rows = [lock_row]
-    try:
-        family = load_family(family_name)
-    except (UnknownFamily, FamilyError) as exc:
-        rows.append(CheckResult("model_family", Status.FAIL, str(exc).splitlines()[0],
-                                getattr(exc, "fix", "reinstall the image")))
     model_config, model_source = None, ""
     if model:
         try:
             model_config, model_source = read_model_config(model), f"{model}/config.json"
         except ModelConfigError as exc:
             rows.append(CheckResult("model_fit.config", Status.FAIL, str(exc), exc.fix))
-    ctx = Context(lock=build_lock, device=resolved, family=family, deep=deep, model_config=model_config,
-                  model_source=model_source, param_dtype=param_dtype, no_lock=no_lock)
-
+    checked, family_row = families_to_check(proven, model_config, model_source, audit=build_lock is None)
+    if build_lock is None:
+        rows[0] = CheckResult(lock_row.check, lock_row.status,
+                              f"{lock_row.detail} (the probes assume model family {', '.join(checked) or '-'})",
+                              lock_row.fix, lock_row.data)
+    if family_row is not None:
+        rows.append(family_row)
+    contexts = []
+    for family_name in checked:
+        family = None
+        try:
+            family = load_family(family_name)
+        except (UnknownFamily, FamilyError) as exc:
+            rows.append(CheckResult(f"model_family.{family_name}", Status.FAIL, str(exc).splitlines()[0],
+                                    getattr(exc, "fix", "reinstall the image")))
+        contexts.append(Context(lock=build_lock, device=resolved, family=family, deep=deep, model_config=model_config,
+                                model_source=model_source, param_dtype=param_dtype, no_lock=no_lock))
+    if not contexts:   # no family to prove: the family-free checks still run, every other one FAILs
+        contexts.append(Context(lock=build_lock, device=resolved, family=None, deep=deep, model_config=model_config,
+                                model_source=model_source, param_dtype=param_dtype, no_lock=no_lock))
     for name in names:
-        rows.extend(_run_one(name, ctx))
+        if name in FAMILY_CHECKS:
+            for ctx in contexts:
+                found = _run_one(name, ctx)
+                rows.extend(named_for(ctx.family.name, found) if len(contexts) > 1 and ctx.family else found)
+        else:
+            rows.extend(_run_one(name, contexts[0]))
     return Report.of(rows)
 
 
+def families_to_check(proven: tuple[str, ...], model_config: dict | None, model_source: str, *,
+                      audit: bool) -> tuple[tuple[str, ...], CheckResult | None]:
+    """(the families to prove, the row saying why). With a model mounted: the one family its
+    config.json's model_type names, among those the image proves (any known family for an audit);
+    a model type none covers is refused, naming what the image does cover. Without: every one."""
+    if model_config is None:
+        return proven, None
+    if not model_types_of(model_config):
+        return proven, CheckResult("model_family", Status.WARN, f"{model_source} names no model_type, so it "
+                                   f"cannot be matched to a family; proving every family of the image: "
+                                   f"{', '.join(proven)}", "mount the model's own config.json (transformers "
+                                   "writes model_type into every one)")
+    pool = known_families() if audit else proven
+    found = family_of_config(model_config, pool)
+    types = ", ".join(model_types_of(model_config)) or "(none)"
+    if found is None:
+        return (), CheckResult("model_family", Status.FAIL,
+                               f"not covered: model_type {types} ({model_source}); this image proves: "
+                               f"{', '.join(proven)}",
+                               "train a model of a family the image proves, or build an image whose "
+                               "model_families lists this model's family (families/*.yaml)",
+                               data={"model_types": list(model_types_of(model_config)), "proven": list(proven)})
+    return (found,), CheckResult("model_family", Status.PASS, f"model_type {types} ({model_source}) is family "
+                                 f"{found}; this image proves: {', '.join(proven)}", data={"family": found})
+
+
+def named_for(family: str, rows: list[CheckResult]) -> list[CheckResult]:
+    """The same rows, each named for its family (`dispatch.<family>.<function>`), when an image
+    proves several families."""
+    renamed = []
+    for row in rows:
+        check, _, rest = row.check.partition(".")
+        name = f"{check}.{family}.{rest}" if rest else f"{check}.{family}"
+        renamed.append(CheckResult(name, row.status, row.detail, row.fix, row.data))
+    return renamed
+
+
+FAMILY_CHECKS = ("extensions", "model_fit", "dispatch", "fused_ops", "isolation")
+
+
 def _run_one(name: str, ctx: Context) -> list[CheckResult]:
-    needs_family = name in ("extensions", "model_fit", "dispatch", "fused_ops", "isolation")
-    if needs_family and ctx.family is None:
+    if name in FAMILY_CHECKS and ctx.family is None:
         return [CheckResult(name, Status.FAIL, "no usable model family (see model_family row)",
                             "fix the model family first")]
     module = importlib.import_module(f"verify.checks.{name}")

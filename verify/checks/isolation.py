@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from families import MEASURES
 from families.binding import read_resolution
 from verify.context import Context
 from verify.import_facts import Survey
@@ -47,9 +48,14 @@ KIND_FIX = {
            "ignores it)",
     "conv": "install causal-conv1d so causal_conv1d_fn honours seq_idx (the torch fallback drops it); pass "
             "seq_idx from contracts.collate.collate_packed",
+    "kda": "install flash-linear-attention so chunk_kda honours cu_seqlens (the torch fallback ignores it), and "
+           "pass cu_seqlens: the pinned Kimi Linear code never maps cu_seq_lens_q to it (our trainer adds it)",
+    "ssd": "install mamba-ssm so the Mamba2 chunk scan honours seq_idx (the torch fallback drops it), and pass "
+           "seq_idx with every packed batch: the model never derives it from position_ids",
 }
-KIND_WHAT = {"attention": "full-attention output", "gdn": "GDN delta-rule core output",
-             "conv": "GDN causal conv1d output"}
+KIND_WHAT = {"attention": "full-attention output", "gdn": "gated delta rule (mixer output, conv forced)",
+             "kda": "Kimi delta attention (mixer output, conv forced)",
+             "ssd": "Mamba2 SSD chunk scan (mixer output, conv forced)", "conv": "causal conv1d output"}
 
 
 def _fmt(x: float) -> str:
@@ -121,12 +127,12 @@ def conv_plumbing_note(kwargs_seen: tuple[str, ...], applicable_params: tuple[st
             "no seq_idx parameter, so transformers' wrapper drops it (torch fallback)")
 
 
-def judge(measurement, tol: Tolerance, conv_note: str = "") -> list[CheckResult]:
+def judge(measurement, tol: Tolerance, conv_note: str = "", kinds=("attention", "gdn", "conv")) -> list[CheckResult]:
     rows = [decide_kind(kind, measurement.packed.get(kind, float("nan")), measurement.withheld.get(kind, float("nan")),
                         tol, packed_abs=measurement.packed_abs.get(kind, float("nan")),
                         withheld_abs=measurement.withheld_abs.get(kind, float("nan")),
                         note=conv_note if kind == "conv" else "")
-            for kind in ("attention", "gdn", "conv")]
+            for kind in kinds]
     rows.extend(decide_end_to_end(measurement.logits, measurement.logits_withheld, measurement.grads_rel,
                                   measurement.grads_worst_param, tol, logits_abs=measurement.logits_abs))
     return rows
@@ -151,7 +157,7 @@ def run(ctx: Context) -> list[CheckResult]:
     import torch
 
     from families.runtime import hooks, modeling_module, probe_dtype
-    from verify.packing_probe import measure
+    from verify.packing_probe import conv_wrapper_of, measure
     from verify.probe import build_probe_model
 
     if ctx.device.startswith("cuda") and not torch.cuda.is_available():
@@ -168,9 +174,8 @@ def run(ctx: Context) -> list[CheckResult]:
         note = f"{ctx.attn_implementation} unavailable ({type(exc).__name__}, see dispatch.attention)"
         model = build_probe_model(ctx, attn_implementation="sdpa", dtype=dtype)
     hooks(family).prepare_probe_model(model)
-    conv = next(f for f in family.fused_functions if f.boundary_kwarg == "seq_idx")
     try:
-        m = measure(model, module, family, device=ctx.device, conv_wrapper=conv.wrapper)
+        m = measure(model, module, family, device=ctx.device)
     except RuntimeError as exc:
         # a kernel that refuses or fails mid-probe (e.g. fla's backward on Hopper with an old Triton,
         # or a CUDA-only kernel asked to run on CPU) is a finding about this machine, not a verify bug
@@ -180,8 +185,11 @@ def run(ctx: Context) -> list[CheckResult]:
         return [CheckResult("isolation", Status.FAIL, f"the probe could not run: the fused path raised "
                             f"{type(exc).__name__}: {reason}", fix)]
     tol = TOLERANCES[str(dtype).removeprefix("torch.")]
-    resolution = read_resolution(module, conv.wrapper)
-    rows = judge(m, tol, conv_note=conv_plumbing_note(m.conv_kwargs_seen, resolution.applicable_params))
+    conv_wrapper = conv_wrapper_of(family)
+    note_conv = conv_plumbing_note(m.conv_kwargs_seen, read_resolution(module, conv_wrapper).applicable_params) \
+        if conv_wrapper else ""
+    kinds = tuple(k for k in MEASURES if any(k in kind.measure for kind in family.layer_kinds.values()))
+    rows = judge(m, tol, conv_note=note_conv, kinds=kinds)
     attn_note = f"attention ran {model.config._attn_implementation} on {ctx.device} ({dtype})"
     if note:
         attn_note += f"; {note}"
