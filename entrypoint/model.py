@@ -9,6 +9,8 @@ import torch
 
 from contracts.errors import FixableError
 from entrypoint.checkpoint.hf_safetensors import load_sharded
+from families import family_of_config, known_families, load_family, model_types_of
+from families import runtime as family_runtime
 
 
 class ModelError(FixableError):
@@ -100,6 +102,18 @@ def build_on_meta(path: str, *, attn_implementation: str, trust_remote_code: boo
     return model
 
 
+def model_family(model):
+    """The family whose facts (decoder layers, FSDP units, batch kwargs) fit this model, named by
+    its config's model_type. verify has already refused a model no family of the image covers
+    (its model_family row), so here that is a plain error, never a guess."""
+    name = family_of_config(model.config, known_families())
+    if name is None:
+        raise ModelError(f"model_type {', '.join(model_types_of(model.config)) or '(none)'} belongs to no model "
+                         f"family this image knows ({', '.join(known_families())})",
+                         "train a model of one of those families, or add its family (families/<name>.yaml)")
+    return load_family(name)
+
+
 def rebuild_buffers(model, device: torch.device) -> None:
     """Buffers that are not weights (rotary inv_freq) are computed, not loaded: after to_empty they
     hold garbage, so each rotary module is rebuilt from its config and its buffers copied over."""
@@ -118,9 +132,11 @@ def sharded_model(cfg, *, attn: str, device, world: int):
 
     p = cfg.parallel
     model = build_on_meta(cfg.model.path, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
-    n_ac = apply_activation_checkpointing(model, p.activation_checkpoint, p.ac_every)
+    family = model_family(model)
+    n_ac = apply_activation_checkpointing(model, p.activation_checkpoint, p.ac_every, family_name=family.name)
     apply_fsdp(model, build_mesh(device.type, world, p.dp_replicate), param_dtype=p.param_dtype,
-               reduce_dtype=p.reduce_dtype, reshard_after_forward=p.reshard_after_forward)
+               reduce_dtype=p.reduce_dtype, reshard_after_forward=p.reshard_after_forward, family_name=family.name)
+    family_runtime.add_batch_kwargs(family, model)
     model.to_empty(device=device)
     load_sharded(model, cfg.model.path)
     rebuild_buffers(model, device)

@@ -172,7 +172,7 @@ ENTRYPOINT_LAYERS = {
                  "verify"},
     "inputs": {"contracts"},
     "info": {"contracts"},
-    "model": {"checkpoint", "contracts", "distributed"},
+    "model": {"checkpoint", "contracts", "distributed", "families"},
 }
 LAYERS = {"build": BUILD_LAYERS, "entrypoint": ENTRYPOINT_LAYERS}
 

@@ -10,8 +10,15 @@ from pathlib import Path
 
 from contracts.errors import FixableError
 from contracts.lock import LockError, load_lock, lock_path
-from families import DEFAULT_FAMILY, FamilyError, UnknownFamily, family_of_config, known_families, load_family
-from families import model_types_of
+from families import (
+    DEFAULT_FAMILY,
+    FamilyError,
+    UnknownFamily,
+    family_of_config,
+    known_families,
+    load_family,
+    model_types_of,
+)
 from verify.checks.model_fit import ModelConfigError, read_model_config
 from verify.context import Context
 from verify.report import CheckResult, Report, Status

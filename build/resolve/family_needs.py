@@ -74,7 +74,7 @@ def check(problems: Problems, spec_file: str, spec: ImageSpec, toolchain: Toolch
                      f"{need.kind}), and no kernel of this image replaces it: its jobs would train on the torch "
                      "reference, slowly and with packed documents leaking", f"{fix}, or drop {need.family}",
                      "unfused-function")
-    for i, kernel in enumerate(kernels):
+    for kernel in kernels:
         if families and not any(r in {n.function for n in listed} for r in kernel.replaces):
             problems.add(spec_file, f"kernels[{spec.kernels.index(kernel.name)}]",
                          f"{kernel.name} provides nothing the image's families use ({', '.join(kernel.replaces)})",
