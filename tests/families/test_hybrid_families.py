@@ -14,7 +14,7 @@ from families import runtime as family_runtime
 
 pytestmark = pytest.mark.unit
 
-FAMILIES = ("qwen3_5_moe", "qwen3_next", "olmo_hybrid")
+FAMILIES = ("qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear", "lfm2")
 DOC_LENGTHS = (23, 17, 9)    # three documents and the collator's padding document in one row
 BUDGET = 56
 MAX_TINY_PARAMS = 2_000_000
