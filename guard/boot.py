@@ -46,14 +46,19 @@ class ModelingWatcher:
     """A meta path finder that finds nothing itself: for a watched name it asks the finders after
     it, and makes the spec's loader call `on_loaded(module, family)` once the module has executed."""
 
-    def __init__(self, modules: dict[str, str], on_loaded=None):
+    def __init__(self, modules: dict[str, str], on_loaded=None, on_uncovered=None):
         self.modules = dict(modules)
         self.on_loaded = on_loaded or _activate
+        self.on_uncovered = on_uncovered or _uncovered
+        self.uncovered_seen: set[str] = set()
 
     def find_spec(self, fullname, path=None, target=None):
         family = self.modules.get(fullname)
         if family is None:
-            return None
+            if not _is_other_modeling_module(fullname) or fullname in self.uncovered_seen:
+                return None
+            self.uncovered_seen.add(fullname)
+            family = UNCOVERED
         spec = None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
@@ -65,11 +70,22 @@ class ModelingWatcher:
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         self.modules.pop(fullname, None)      # once per process
-        _after_exec(spec.loader, family, self.on_loaded)
+        _after_exec(spec.loader, family, self.on_loaded if family != UNCOVERED else
+                    lambda module, _family: self.on_uncovered(module))
         return spec
 
     def invalidate_caches(self) -> None:
         pass
+
+
+UNCOVERED = ""       # the "family" of a transformers modeling module no family file names
+
+
+def _is_other_modeling_module(fullname: str) -> bool:
+    """transformers.models.<x>.modeling_<x>: a model package's modeling module (string methods only)."""
+    parts = fullname.split(".")
+    return (len(parts) == 4 and parts[0] == "transformers" and parts[1] == "models"
+            and parts[3] == f"modeling_{parts[2]}")
 
 
 def _after_exec(loader, family: str, on_loaded) -> None:
@@ -92,6 +108,13 @@ def _activate(module, family: str) -> None:
     from guard import activate
 
     activate.on_import(module, family)
+
+
+def _uncovered(module) -> None:
+    # lazily, as _activate: coverage imports the families reader
+    from guard import coverage
+
+    coverage.on_import(module)
 
 
 def install() -> ModelingWatcher | None:

@@ -25,6 +25,19 @@ BAD_SETTING = 2      # a malformed FTIMAGE_GUARD* value
 PREFIX = "ftimage-guard"
 
 
+UNCOVERED: list[str] = []   # "not covered: model_type X (...)" lines of this process (guard.coverage)
+
+
+def note_uncovered(text: str) -> None:
+    UNCOVERED.append(text)
+
+
+def uncovered_report() -> dict[str, Any]:
+    """The record of a process that built only models no family covers (no guard attached)."""
+    return {"schema": SCHEMA, "status": "not covered", "pid": os.getpid(), "rank": _rank(), "argv": list(sys.argv),
+            "not_covered": list(UNCOVERED)}
+
+
 def log(message: str) -> None:
     sys.stderr.write(f"{PREFIX}: {message}\n")
     sys.stderr.flush()
@@ -126,6 +139,7 @@ def build(guard: Guard) -> dict[str, Any]:
         "violations": [{"function": v.function, "message": v.message, "fix": list(v.fix)} for v in guard.violations],
         "overrides": list(guard.overrides),
         "warnings": list(guard.warnings),
+        "not_covered": list(UNCOVERED),
     }
 
 
@@ -184,7 +198,7 @@ def refusal_text(guard: Guard, problem: str) -> str:
     rank = _rank()
     where = f"training step {guard.steps}" + (f", rank {rank}" if rank is not None else "")
     first, *rest = guard.violations
-    lines = [f"error: {PREFIX} refused this run ({where}): {first.message}"]
+    lines = [f"error: {PREFIX} refused this run (model family {guard.family.name}, {where}): {first.message}"]
     lines += [f"  and: {v.message}" for v in rest]
     # one line per distinct fix: the torch-path alternative, say, is shared by every fallback
     fixes = list(dict.fromkeys(line for v in guard.violations for line in v.fix))
