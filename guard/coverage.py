@@ -23,7 +23,7 @@ SEEN: list[str] = []      # the model types reported in this process, once each 
 def proven_families() -> tuple[str, ...]:
     """What this image proves: its lock's families, else every family it ships."""
     try:
-        from contracts.lock import LockError, load_lock, lock_path   # only when a model is built
+        from contracts.lock import LockError, load_lock, lock_path  # only when a model is built
 
         return load_lock(lock_path()).families
     except (LockError, OSError, ImportError):
@@ -54,7 +54,7 @@ def on_model_built(config) -> None:
     record.log(f"{text}: nothing checks its fused kernels or its packed batches in this process; "
                f"{REQUIRE_FAMILY_ENV}=1 refuses it")
     record.note_uncovered(text)
-    from guard import activate   # here: activate imports torch, and this runs once a model exists
+    from guard import activate  # here: activate imports torch, and this runs once a model exists
 
     if activate.CURRENT is None:
         try:
