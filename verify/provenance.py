@@ -32,7 +32,8 @@ STANDARD = frozenset(LOADERS.values())
 # What kernels_manifest.yaml declares, for an audit without a lock (tests/verify pins it to the manifest):
 # import name -> (kind, the compiled module its entry points live in).
 MANIFEST_KINDS = {"causal_conv1d": ("cuda-extension", "causal_conv1d_cuda"),
-                  "flash_attn": ("cuda-extension", "flash_attn_2_cuda"), "fla": ("triton", "")}
+                  "flash_attn": ("cuda-extension", "flash_attn_2_cuda"), "fla": ("triton", ""),
+                  "mamba_ssm": ("triton", "")}
 # The runtime guard's .pth (guard.install_files(), written by build/oci/venv.py and the rendered
 # Dockerfile), by its bytes' sha256; tests/verify pins it to guard.install_files().
 OWN_PTH = {"ftimage-guard.pth": "8e704e2f0355adbd070605384a81248e37d30e6f3d1eeb43f1e34ff73fa487c2"}
