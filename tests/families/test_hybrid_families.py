@@ -14,7 +14,8 @@ from families import runtime as family_runtime
 
 pytestmark = pytest.mark.unit
 
-FAMILIES = ("qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear", "lfm2")
+FAMILIES = ("qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear", "lfm2",
+            "granitemoehybrid", "nemotron_h", "falcon_h1")
 DOC_LENGTHS = (23, 17, 9)    # three documents and the collator's padding document in one row
 BUDGET = 56
 MAX_TINY_PARAMS = 2_000_000
@@ -38,6 +39,21 @@ def model_inputs(family, batch: dict) -> dict:
     return inputs
 
 
+def record_boundaries(family, monkeypatch) -> dict[str, list[set[str]]]:
+    """Wrap each fused wrapper of the modeling module to record the kwargs each call passes."""
+    module = family_runtime.modeling_module(family)
+    seen: dict[str, list[set[str]]] = {}
+    for fused in family.fused_functions:
+        original = getattr(module, fused.wrapper)
+
+        def recording(*args, _original=original, _name=fused.wrapper, **kwargs):
+            seen.setdefault(_name, []).append(set(kwargs))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, fused.wrapper, recording)
+    return seen
+
+
 def layer_kind_counts(family, model) -> dict[str, int]:
     module = family_runtime.modeling_module(family)
     layers = family_runtime.decoder_layers(family, model)
@@ -57,8 +73,9 @@ def test_the_family_file_loads_and_names_its_config_classes_model_type(name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_the_tiny_flavour_trains_a_step_on_a_packed_row_with_every_layer_kind_twice(name):
+def test_the_tiny_flavour_trains_a_step_on_a_packed_row_with_every_layer_kind_twice(name, monkeypatch):
     family = load_family(name)
+    seen = record_boundaries(family, monkeypatch)
     model = family_runtime.build_model(family, "tiny", attn_implementation="sdpa")
     assert sum(p.numel() for p in model.parameters()) < MAX_TINY_PARAMS
     counts = layer_kind_counts(family, model)
@@ -76,24 +93,41 @@ def test_the_tiny_flavour_trains_a_step_on_a_packed_row_with_every_layer_kind_tw
     loss = F.cross_entropy(logits[0, :-1].float(), labels[0, 1:], ignore_index=IGNORE_INDEX)
     loss.backward()
     assert torch.isfinite(loss)
+    # the training forward called every fused wrapper, each with its boundary kwarg (the torch
+    # fallbacks behind them drop it; the kernels take it)
+    for fused in family.fused_functions:
+        assert seen.get(fused.wrapper), f"{fused.wrapper} was not called"
+        assert all(fused.boundary_kwarg in kwargs for kwargs in seen[fused.wrapper]), (fused.wrapper, seen)
     # every token mixer got a gradient
+    module = family_runtime.modeling_module(family)
     for layer in family_runtime.decoder_layers(family, model):
         for kind in family.layer_kinds.values():
             mixer = getattr(layer, kind.module, None)
-            if mixer is not None:
+            if isinstance(mixer, getattr(module, kind.layer_class)):
                 grads = [p.grad for p in mixer.parameters()]
                 assert grads and all(g is not None and torch.isfinite(g).all() for g in grads), kind.layer_class
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_the_probe_flavour_runs_attention_at_the_compiled_head_dim(name):
+def test_the_probe_flavour_runs_attention_at_the_compiled_head_dim_and_its_hook_prepares_it(name):
     family = load_family(name)
-    config = family_runtime.model_config(family, "probe", attn_implementation="sdpa")
+    model = family_runtime.build_model(family, "probe", attn_implementation="sdpa")
     module = family_runtime.modeling_module(family)
     attention = next(kind for kind in family.layer_kinds.values() if kind.measure == ("attention",))
-    layer = getattr(module, attention.layer_class)(config, layer_idx=_first_attention_layer(family, config))
-    q_head_dim = getattr(layer, "head_dim", None) or layer.qk_head_dim
-    assert q_head_dim == family.attention.head_dims[0]
+    layers = [getattr(layer, attention.module) for layer in family_runtime.decoder_layers(family, model)
+              if isinstance(getattr(layer, attention.module, None), getattr(module, attention.layer_class))]
+    # MLA (Kimi) states its query/key head dim as qk_head_dim; the others as head_dim
+    assert {getattr(a, "head_dim", None) or a.qk_head_dim for a in layers} == {family.attention.head_dims[0]}
+
+    decays = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("A_log")}
+    prepared = family_runtime.hooks(family).prepare_probe_model(model)
+    assert prepared is model and not model.training
+    after = dict(model.named_parameters())
+    # every recurrent decay was set small (A = exp(A_log) <= 0.5); the short conv (LFM2) has none
+    assert all(not torch.equal(decays[n], after[n]) and after[n].exp().max() <= 0.5 + 1e-6 for n in decays)
+    with torch.no_grad():
+        logits = model(**model_inputs(family, packed_row(model.config.vocab_size)), use_cache=False).logits
+    assert torch.isfinite(logits).all()
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -106,9 +140,3 @@ def test_the_bench_flavour_is_a_config_the_config_class_accepts(name):
         assert set(family.layer_kinds) <= set(types), types
         assert set(types) <= set(family.layer_kinds) | set(family.mixerless_layer_types), types
 
-
-def _first_attention_layer(family, config) -> int:
-    if family.layer_types_key is None:
-        return 0
-    kind = next(name for name, k in family.layer_kinds.items() if k.measure == ("attention",))
-    return list(getattr(config, family.layer_types_key)).index(kind)

@@ -1,0 +1,29 @@
+"""Python hooks of the falcon_h1 family (its facts live in falcon_h1.yaml).
+
+Every layer holds a Mamba2 mixer at `mamba` (FalconH1Mixer) beside its attention; the mixer's
+inner unit is the shared Mamba2 split of families.granitemoehybrid: projections and conv (and the
+gated norm when mamba_rms_norm) in the compute dtype, A_log / dt_bias / D in fp32. Its muP
+`mup_vector` is a buffer, not a parameter, so it is in neither unit."""
+from __future__ import annotations
+
+import torch
+
+from families.granitemoehybrid import FP32_PARAMS, mamba2_groups, mamba2_mixer, persist_mamba2_state
+
+MIXER = "mamba"
+__all__ = ["FP32_PARAMS", "fsdp_groups", "prepare_probe_model"]
+
+
+def fsdp_groups(layer) -> list[tuple[list, str]]:
+    """Inner FSDP units of one decoder layer, innermost first: (modules, "compute" | "fp32")."""
+    return mamba2_groups(mamba2_mixer(layer, MIXER))
+
+
+def prepare_probe_model(model):
+    """Make the Mamba2 state persist across tokens so a leaked state is visible (small decays)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            mixer = mamba2_mixer(layer, MIXER)
+            if mixer is not None:
+                persist_mamba2_state(mixer)
+    return model.eval()
