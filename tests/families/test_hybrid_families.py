@@ -125,6 +125,8 @@ def test_the_probe_flavour_runs_attention_at_the_compiled_head_dim_and_its_hook_
     after = dict(model.named_parameters())
     # every recurrent decay was set small (A = exp(A_log) <= 0.5); the short conv (LFM2) has none
     assert all(not torch.equal(decays[n], after[n]) and after[n].exp().max() <= 0.5 + 1e-6 for n in decays)
+    # a Mamba2 mixer's skip path (D * x) is off, so its output is the state path a leak would cross
+    assert all(not p.any() for n, p in after.items() if n.endswith(".D"))
     with torch.no_grad():
         logits = model(**model_inputs(family, packed_row(model.config.vocab_size)), use_cache=False).logits
     assert torch.isfinite(logits).all()
