@@ -59,4 +59,5 @@ def on_import(module, family_name: str) -> None:
               "(logged)")
         return
     CURRENT = guard
+    record.GUARDS.append(guard)
     atexit.register(guard.at_exit)

@@ -161,7 +161,15 @@ def write(path: str, data: dict[str, Any], json_logs: bool) -> str:
     return problem
 
 
+GUARDS: list[Guard] = []   # every guard of this process, one per family modeling module imported
+
+
 def publish(guard: Guard, data: dict[str, Any]) -> None:
+    """Write the report, unless another family's guard in this process trained and this one never
+    saw its own model train: a process imports other modeling modules (a kernel, a library) and
+    the report is about the model that trained."""
+    if guard.steps == 0 and any(other.steps for other in GUARDS if other is not guard):
+        return
     problem = write(guard.settings.report, data, guard.settings.json_logs)
     if problem:
         log(f"warning: {problem}")

@@ -3,6 +3,7 @@ the image does it (its .pth in site-packages). Run as a script under torchrun fo
 called in a forked child of tests/guard/forkserver.py (which already paid for the imports).
 
 A spec is a dict:
+  family:   the model family of the tiny model (default qwen3_5_text)
   trainer:  "trl" (TRL's SFTTrainer) | "loop" (a plain loop on contracts.collate rows) | "import"
             (import the modeling module only)
   kernels:  "none" | "fused" | "broken"   which test-double folder goes first on sys.path
@@ -10,6 +11,7 @@ A spec is a dict:
   batches:  "packed" (TRL's default BFD packing, padding-free) | "padded" | "position_ids"
             (DataCollatorWithFlattening with position_ids only); for "loop": "packed" | "padded"
   steps:    training steps
+  sft_args: (trl) more SFTConfig arguments
   break_at: (loop) the step from which the boundaries are withheld
   eval_first: (loop) one no_grad forward of a packed row without seq_idx before training
   thread / checkpointing: (loop) train on a worker thread / with reentrant activation checkpointing
@@ -47,7 +49,7 @@ def build(spec: dict, tokenizer=None):
 
     extra = {} if tokenizer is None else {"pad_token_id": tokenizer.pad_token_id,
                                           "eos_token_id": tokenizer.eos_token_id}
-    model = build_model(load_family("qwen3_5_text"), "tiny", attn_implementation="sdpa", **extra)
+    model = build_model(load_family(spec.get("family", "qwen3_5_text")), "tiny", attn_implementation="sdpa", **extra)
     if spec.get("attention") == "fa2":
         import flash_attn  # the test double (kernels/fused/flash_attn)
 
@@ -71,7 +73,7 @@ def run_trl(spec: dict, workdir: Path) -> None:
     args = SFTConfig(output_dir=str(workdir / "out"), max_steps=spec.get("steps", 3), per_device_train_batch_size=4,
                      max_length=96, packing=batches == "packed", report_to=[], save_strategy="no", use_cpu=True,
                      logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, seed=0, bf16=False,
-                     learning_rate=1e-3)
+                     learning_rate=1e-3, **spec.get("sft_args", {}))
     collator = DataCollatorWithFlattening() if batches == "position_ids" else None
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                          data_collator=collator)
