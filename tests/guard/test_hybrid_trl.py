@@ -25,8 +25,9 @@ CASES = {
 def test_packed_without_boundaries_is_refused_naming_family_kind_and_function(venv_python, tokenizer_dir, tmp_path,
                                                                               family):
     function, _, kind, kwarg = CASES[family]
-    proc = torchrun(venv_python, {"family": family, "kernels": "fused", "attention": "fa2", "batches": "position_ids",
-                                  "tokenizer": tokenizer_dir, "sft_args": SFT_ARGS.get(family, {})}, tmp_path, timeout=420)
+    spec = {"family": family, "kernels": "fused", "attention": "fa2", "batches": "position_ids",
+            "tokenizer": tokenizer_dir, "sft_args": SFT_ARGS.get(family, {})}
+    proc = torchrun(venv_python, spec, tmp_path, timeout=420)
     assert proc.returncode != 0 and "TRAINED" not in proc.stdout, proc.stderr[-4000:]
     lines = refusals(proc.stderr)
     assert len(lines) == 2, proc.stderr[-4000:]
@@ -41,8 +42,9 @@ def test_packed_without_boundaries_is_refused_naming_family_kind_and_function(ve
 @pytest.mark.parametrize("family", sorted(CASES))
 def test_packed_with_boundaries_and_the_kernels_trains_on_the_fused_path(venv_python, tokenizer_dir, tmp_path, family):
     function, kernel_module, _, _ = CASES[family]
-    proc = torchrun(venv_python, {"family": family, "kernels": "fused", "attention": "fa2", "batches": "packed",
-                                  "steps": 3, "tokenizer": tokenizer_dir, "sft_args": SFT_ARGS.get(family, {})}, tmp_path, timeout=420)
+    spec = {"family": family, "kernels": "fused", "attention": "fa2", "batches": "packed", "steps": 3,
+            "tokenizer": tokenizer_dir, "sft_args": SFT_ARGS.get(family, {})}
+    proc = torchrun(venv_python, spec, tmp_path, timeout=420)
     assert proc.returncode == 0 and proc.stdout.count("TRAINED") == 2, proc.stderr[-4000:]
     for report in reports(tmp_path):
         assert report["status"] == "pass" and not report["violations"], report["violations"]
