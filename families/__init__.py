@@ -202,6 +202,13 @@ def known_families() -> tuple[str, ...]:
     return tuple(sorted(p.stem for p in FAMILIES_DIR.glob("*.yaml") if re.fullmatch(NAME, p.stem)))
 
 
+def with_batch_adds(family: Family, batch: dict) -> dict:
+    """A collated batch with the family's `batch_adds` (kwarg -> the collated key it copies); an
+    unpacked batch holds no source key and comes back unchanged."""
+    extra = {k: batch[src] for k, src in family.batch_adds.items() if src in batch and k not in batch}
+    return {**batch, **extra} if extra else batch
+
+
 def family_for_model_type(model_type: str, names) -> str | None:
     """Which of the families `names` covers a config.json `model_type` (None: none does)."""
     for name in names:

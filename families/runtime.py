@@ -9,7 +9,7 @@ from types import ModuleType
 
 import torch
 
-from families import Family
+from families import Family, with_batch_adds
 
 
 def modeling_module(family: Family) -> ModuleType:
@@ -81,8 +81,8 @@ def add_batch_kwargs(family: Family, model) -> None:
         return
 
     def add(module, args, kwargs):
-        extra = {k: kwargs[src] for k, src in family.batch_adds.items() if src in kwargs and k not in kwargs}
-        return (args, {**kwargs, **extra}) if extra else None
+        added = with_batch_adds(family, kwargs)
+        return (args, added) if added is not kwargs else None
 
     model.register_forward_pre_hook(add, with_kwargs=True)
 

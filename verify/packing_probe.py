@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from contracts.collate import Document, collate_packed, collate_unpacked
-from families import MEASURES, Family
+from families import MEASURES, Family, with_batch_adds
 from families import runtime as family_runtime
 from verify.probe import BUDGET, DOC_LENGTHS, batch_to, sample_documents, token_loss_sum
 
@@ -205,7 +205,9 @@ def measure(model, module, family: Family, *, device: str, lengths=DOC_LENGTHS, 
     keys = measured_keys(family, model)
     rec = _Recorder(model, module, family, conv_wrapper_of(family))
     m = Measurement(layers={what: [idx for idx, _ in found] for what, found in keys.items()})
-    packed_batch = collate_packed(docs, budget=budget, pad_token_id=0)
+    # with what our trainer adds for the family (Kimi Linear's cu_seqlens): the probe measures the
+    # boundaries a packed batch of ours carries
+    packed_batch = with_batch_adds(family, collate_packed(docs, budget=budget, pad_token_id=0))
 
     with rec.attached():
         # 1. separate runs: reference activations, logits and summed gradients

@@ -136,7 +136,7 @@ def run_loop(spec: dict, workdir: Path) -> None:
     from families import load_family
 
     # after the window the guard undoes its patches: the layer calls transformers' own wrapper again
-    conv = modeling_module(load_family("qwen3_5_text")).causal_conv1d_fn
+    conv = modeling_module(load_family(spec.get("family", "qwen3_5_text"))).causal_conv1d_fn
     print(f"RESTORED {'implementation' in inspect.getclosurevars(conv).nonlocals}", flush=True)
     print("TRAINED", flush=True)
 

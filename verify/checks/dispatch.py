@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from contracts.lock import LockedKernel
-from families import Attention
+from families import Attention, with_batch_adds
 from families.binding import Resolution, describe, explain_fallback, read_resolution
 from verify.calltrace import watch_calls
 from verify.context import Context, FusedNeed
@@ -181,7 +181,7 @@ def _runtime_probe(ctx: Context, model, module, resolutions: dict[str, Resolutio
 
     from verify.probe import packed_batch, watched_code
 
-    batch = packed_batch(model.config.vocab_size, ctx.device)
+    batch = with_batch_adds(ctx.family, packed_batch(model.config.vocab_size, ctx.device))
     batch.pop("labels")
     with torch.no_grad(), watch_calls(watched_code(ctx, module, resolutions)) as counts:
         model(**batch, use_cache=False)  # as in training; see packing_probe._run
