@@ -140,6 +140,7 @@ def build(guard: Guard) -> dict[str, Any]:
         "overrides": list(guard.overrides),
         "warnings": list(guard.warnings),
         "not_covered": list(UNCOVERED),
+        **({"experts": guard.experts.to_dict()} if guard.experts is not None else {}),
     }
 
 

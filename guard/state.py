@@ -66,6 +66,7 @@ class Guard(LayerWatch, CompileWatch):
         self.layouts: set[str] = set()
         self.unattributed = 0
         self.restore: list = []            # callables that undo the patches
+        self.experts = None                # guard.experts_watch.ExpertsWatch of a MoE family
         self.last_training: batch_mod.Batch | None = None
         self.local = threading.local()     # depth and batch of the family-model forward on this thread
         self.lock = threading.RLock()
@@ -144,6 +145,10 @@ class Guard(LayerWatch, CompileWatch):
                 # only a forward that returned hands on what its layers computed
                 if returned and self.active:
                     self.violate(self._judge_layers(model, batch, tally, compiled_layers, present, rebound))
+                    if self.experts is not None:
+                        found, override = self.experts.judge(self.settings.allow_fallback)
+                        self.note_override(None, override)
+                        self.violate([found] if found is not None else [])
             if self.pending:
                 self.refuse()
 

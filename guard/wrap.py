@@ -39,6 +39,7 @@ from families import ATTENTION_PATH, Family
 from families.binding import describe, explain_fallback, read_resolution, transformers_symbol
 from guard import rules
 from guard.compile_watch import compiled_call
+from guard.experts_watch import ExpertsWatch
 from guard.layer_watch import Binding, LayerRecord
 from guard.state import FunctionRecord, Guard
 
@@ -249,3 +250,7 @@ def install(guard: Guard, module, family: Family) -> None:
         for fused in layer_kind.fused:
             _wrap_fused(guard, module, kind, fused)
     _wrap_attention(guard, module, family)
+    if family.experts is not None:
+        guard.experts = ExpertsWatch(family.name, family.experts, module)
+        guard.setup_problems.extend(guard.experts.install())
+        guard.restore.append(guard.experts.uninstall)

@@ -53,3 +53,6 @@ def test_packed_with_boundaries_and_the_kernels_trains_on_the_fused_path(venv_py
         assert entry["backward"]["fused"] > 0 and entry["backward"]["torch"] == 0
         assert all(name.startswith(kernel_module) for name in entry["ran_backward"]), entry["ran_backward"]
         assert entry["boundaries_present"] == entry["packed_calls"] > 0
+        # both families are MoE: the experts ran their grouped path, forward and backward
+        experts = report["experts"]
+        assert set(experts["training"]) == {"grouped_mm"} and set(experts["backward"]) == {"grouped_mm"}, experts

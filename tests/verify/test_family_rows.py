@@ -53,3 +53,11 @@ def test_each_layer_kind_of_each_family_is_measured_and_the_torch_path_leaks(row
         if what == "attention":
             continue   # sdpa with packed position_ids gets transformers' per-document mask on CPU
         assert row["status"] == "FAIL" and "leak:" in row["detail"], row
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if load_family(f).experts is not None])
+def test_each_moe_family_names_the_experts_path_it_ran_forward_and_backward(rows, family):
+    row = rows[f"dispatch.{family}.experts"]
+    # torch on CPU has grouped_mm: the probe's packed step runs it both ways
+    assert row["status"] == "PASS", row
+    assert "grouped_mm ran (forward: grouped_mm" in row["detail"] and "backward: grouped_mm" in row["detail"]

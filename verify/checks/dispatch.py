@@ -249,9 +249,23 @@ def run(ctx: Context) -> list[CheckResult]:
                                  None if attn_error else model_attn, varlen, attn_runtime, attn_why,
                                  locked=attention is not None or ctx.no_lock, package=attn_package,
                                  audit=ctx.no_lock, provenance=attn_origin))
+    if family.experts is not None:
+        rows.append(_experts(ctx, model, runtime_error))
     kernels_version, hub_enabled = _kernels_state()
     rows.append(decide_kernel_hub(kernels_version, hub_enabled, bool(getattr(model, "use_kernels", False))))
     if runtime_error and all(r.status != Status.FAIL for r in rows):
         rows.append(CheckResult("dispatch.runtime", Status.FAIL, f"probe model forward failed: {runtime_error}",
                                 REBUILD))
     return rows
+
+
+def _experts(ctx: Context, model, runtime_error: str) -> CheckResult:
+    """`dispatch.experts`: which experts implementation one packed step of the probe model ran,
+    forward and backward (verify.experts_path); a per-expert fallback FAILs as a torch fallback does."""
+    from verify.experts_path import experts_row   # torch: only when the check runs, as in run()
+
+    if model is None:
+        return CheckResult("dispatch.experts", Status.FAIL, f"the probe model could not be built: {runtime_error}",
+                           REBUILD)
+    row = experts_row(ctx.family, model, ctx.device)
+    return CheckResult("dispatch.experts", row.status, row.detail, row.fix, row.data)
