@@ -262,7 +262,7 @@ def run(ctx: Context) -> list[CheckResult]:
 def _experts(ctx: Context, model, runtime_error: str) -> CheckResult:
     """`dispatch.experts`: which experts implementation one packed step of the probe model ran,
     forward and backward (verify.experts_path); a per-expert fallback FAILs as a torch fallback does."""
-    from verify.experts_path import experts_row   # torch: only when the check runs, as in run()
+    from verify.experts_path import experts_row  # torch: only when the check runs, as in run()
 
     if model is None:
         return CheckResult("dispatch.experts", Status.FAIL, f"the probe model could not be built: {runtime_error}",
