@@ -4,8 +4,10 @@ Compiled kernels: a cache hit (zero compilation, whatever else changed) or a com
 pinned sdist with recipe.py (in a builder container, compile.py; or on this host, build_here.py),
 the GPU-free checks, then the cache. A registry hit is checked against the key's own inputs
 before it enters the cache (acceptance.py). Triton kernels (pure Python) are pinned wheels,
-fetched and hash-checked. After the image is built, the in-container checks run again inside
-it for every kernel wheel; a fetched one that fails them is evicted and compiled instead.
+fetched and hash-checked; one pinned by its sdist is built into a pure-Python wheel by the
+same recipe and cached here (never shared through a registry, which takes compiled kernels
+only). After the image is built, the in-container checks run again inside it for every kernel
+wheel; a fetched one that fails them is evicted and compiled instead.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from build.cache import CacheLayout
 from build.engine import Engine
 from build.errors import BuildFailure
 from build.kernels.acceptance import Expected
-from build.kernels.compile import compile_kernel, parallel_jobs
+from build.kernels.compile import built_from_sdist, compile_kernel, parallel_jobs, unkeyed_inputs
 from build.kernels.pinned_sources import fetch_pinned
 from build.kernels.store import KernelEntry, KernelStore
 from build.kernels.wheel import KernelWheel
@@ -60,7 +62,7 @@ def provide_kernels(plan: BuildPlan, *, cache: CacheLayout, engine: Engine, log:
     store = KernelStore(cache)
     out: list[KernelWheel] = []
     for kernel in plan.kernels:
-        if kernel.kind == "triton":
+        if not built_from_sdist(kernel):
             for source in kernel.sources:
                 path = fetch_pinned(source, cache, log)
                 out.append(KernelWheel(name=kernel.name, key=kernel.key, filename=source.filename,
@@ -68,27 +70,32 @@ def provide_kernels(plan: BuildPlan, *, cache: CacheLayout, engine: Engine, log:
             provided.states[kernel.name] = "pinned wheels (nothing to compile)"
             continue
         with store.lock(kernel.key):
-            state = store.state(kernel.key)
+            state = store.state(kernel.key, unkeyed_inputs(kernel))
             fetched = None
             if state.entry:
                 log.emit("kernels", f"cache hit: {kernel.name} {kernel.version}", step=kernel.name,
                          key=kernel.key[:16])
                 provided.states[kernel.name] = "hit local"
                 entry = state.entry
-            elif remote is not None and (fetched := remote(store, Expected.of(kernel, plan.toolchain))) is not None:
+            elif remote is not None and kernel.compiled and \
+                    (fetched := remote(store, Expected.of(kernel, plan.toolchain))) is not None:
                 log.emit("kernels", f"remote cache hit: {kernel.name} {kernel.version}", step=kernel.name,
                          key=kernel.key[:16])
                 provided.states[kernel.name] = "hit registry"
                 entry = fetched
             else:
-                if state.state == "corrupt":
-                    log.emit("kernels", f"cached entry {kernel.key[:16]} is corrupt ({state.detail}); "
+                if state.state in ("corrupt", "stale"):
+                    log.emit("kernels", f"cached entry {kernel.key[:16]} is {state.state} ({state.detail}); "
                              "rebuilding it", step=kernel.name)
+                if state.state == "stale":   # sound, but not this plan's: publish never replaces a sound entry
+                    store.evict(kernel.key)
                 base = builder_base if isinstance(builder_base, str) else builder_base()
                 entry = compile_kernel(kernel, plan, cache=cache, engine=engine, log=log,
                                        builder_base=base, store=store)
-                provided.states[kernel.name] = f"miss (compiled in {entry.meta['duration_s']:.0f}s)"
-            provided.entries[kernel.key] = entry
+                made = "compiled" if kernel.compiled else "built (pure Python)"
+                provided.states[kernel.name] = f"miss ({made} in {entry.meta['duration_s']:.0f}s)"
+            if kernel.compiled:   # what a registry may share (it takes compiled kernels only)
+                provided.entries[kernel.key] = entry
         out.append(KernelWheel(name=kernel.name, key=kernel.key, filename=entry.meta["wheel"],
                                sha256=entry.sha256, path=entry.wheel, archs=tuple(entry.meta["archs"]["sass"])))
     provided.wheels = tuple(out)
@@ -103,16 +110,21 @@ def expected_costs(plan: BuildPlan, cache: CacheLayout,
     store = KernelStore(cache)
     states = {}
     for kernel in plan.kernels:
-        if kernel.kind == "triton":
+        if not built_from_sdist(kernel):
             states[kernel.key] = ("n/a", "none (Triton JIT at run time)")
             continue
-        state = store.state(kernel.key)
+        state = store.state(kernel.key, unkeyed_inputs(kernel))
         if state.entry:
             states[kernel.key] = ("hit local", "0s (cached)")
             continue
-        remote = remote_state(Expected.of(kernel, plan.toolchain)) if remote_state is not None else "miss"
-        label = remote if state.state == "miss" else f"CORRUPT: {state.detail}; will rebuild"
-        if kernel.estimate:
+        remote = remote_state(Expected.of(kernel, plan.toolchain)) \
+            if remote_state is not None and kernel.compiled else "miss"
+        label = remote if state.state == "miss" else f"{state.state.upper()}: {state.detail}; will rebuild"
+        if not kernel.compiled:
+            recorded = store.recorded_duration(kernel.name)
+            cost = (f"~{format_seconds(recorded)}" if recorded else "seconds") + \
+                " (a pure-Python wheel from the sdist, nothing compiled; Triton JIT at run time)"
+        elif kernel.estimate:
             jobs = parallel_jobs(kernel.memory_per_job_gb)
             wall = kernel.estimate.wall_seconds(jobs)
             cost = f"~{format_seconds(wall)} ({kernel.estimate.sources} sources, {jobs} job(s) here)"

@@ -84,7 +84,8 @@ def meta_problems(meta: dict, expected: Expected) -> list[str]:
     wanted = expected.inputs
     if wanted.get("kind") != COMPILED:
         return problems + [f"its inputs are of a {str(wanted.get('kind'))[:40]} kernel; only compiled kernels "
-                           "are cached"]
+                           "are shared between caches (a Triton kernel's pure-Python wheel is built where it is "
+                           "needed)"]
     missing = [field for field in NEEDED if not wanted.get(field)]
     if missing:
         return problems + [f"its inputs name no {', '.join(missing)}: not a key a build makes"]

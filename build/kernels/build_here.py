@@ -32,21 +32,20 @@ from build.context.lockfile import make_lock
 from build.errors import BuildFailure
 from build.kernels.acceptance import Expected
 from build.kernels.archs import archs_of_wheel
-from build.kernels.compile import RECIPE, entry_meta, parallel_jobs, stage_inputs
+from build.kernels.compile import RECIPE, built_from_sdist, entry_meta, parallel_jobs, stage_inputs, unkeyed_inputs
 from build.kernels.pinned_sources import fetch_pinned
 from build.kernels.progress import CompileProgress
 from build.kernels.store import KernelEntry, KernelStore
 from build.kernels.wheel import KernelWheel
 from build.kernels.wheel_checks import (
     CheckRow,
-    arch_rows,
     dist_info_rows,
     fail_on,
     kernel_check_config,
     parse_rows,
     render_rows,
-    tag_rows,
     version_rows,
+    wheel_content_rows,
 )
 from build.resolve import BuildPlan, KernelPlan
 from build.resolve.this_host import resolve_for_host
@@ -137,9 +136,9 @@ def compile_here(kernel: KernelPlan, plan: BuildPlan, *, cache: CacheLayout, wor
                                            "see the build log")]
     observed = json.loads((out / "observed.json").read_text())
     report = archs_of_wheel(wheels[0])
-    rows += version_rows(kernel.name, observed, plan.toolchain) + arch_rows(kernel.name, report, kernel.archs)
+    rows += version_rows(kernel.name, observed, plan.toolchain)
     # no platform: a host plan's key names the image's platform, which need not be this host's
-    rows += tag_rows(kernel.name, wheels[0].name, python=plan.toolchain.python, platform=None)
+    rows += wheel_content_rows(kernel, wheels[0].name, report, python=plan.toolchain.python, platform=None)
     rows += dist_info_rows(kernel.name, wheels[0])
     return HostKernel(name=kernel.name, wheel=wheels[0], seconds=round(seconds, 1), jobs=jobs,
                       sources=kernel.estimate.sources if kernel.estimate else 0, rows=rows, observed=observed,
@@ -165,13 +164,19 @@ def cached_or_fetched(plan: BuildPlan, kernels: list[KernelPlan], store: KernelS
                       log: EventLog) -> tuple[dict[str, KernelEntry], dict[str, str]]:
     """The kernels found in the local cache, else in the remote cache (checked against the key's
     own inputs, as in an image build), by name; and each one's state ("hit local", "hit
-    registry"). The rest are compiled."""
+    registry"). The rest are compiled (a stale entry of a Triton kernel built from its sdist is
+    evicted first)."""
     found: dict[str, KernelEntry] = {}
     states: dict[str, str] = {}
     for kernel in kernels:
         with store.lock(kernel.key):
-            entry, state = store.get(kernel.key), "hit local"
-            if entry is None and remote is not None:
+            local = store.state(kernel.key, unkeyed_inputs(kernel))
+            entry, state = local.entry, "hit local"
+            if local.state == "stale":
+                log.emit("kernels", f"cached entry {kernel.key[:16]} is stale ({local.detail}); rebuilding it",
+                         step=kernel.name)
+                store.evict(kernel.key)
+            if entry is None and remote is not None and kernel.compiled:
                 entry, state = remote.fetch_kernel(store, Expected.of(kernel, plan.toolchain)), "hit registry"
         if entry is not None:
             found[kernel.name], states[kernel.name] = entry, state
@@ -189,8 +194,9 @@ def build_here(image_dir: Path, *, manifest_path: Path, cache: CacheLayout, out:
     folder_guard.claim(out, folder_guard.OUTPUT_MARKER, what="output folder", option="--out", force=force)
     (out / "wheels").mkdir(exist_ok=True)
     store = KernelStore(cache)
-    found, states = cached_or_fetched(plan, [k for k in plan.kernels if k.compiled], store, remote, log)
-    compiled = [k for k in plan.kernels if k.compiled and k.name not in found]
+    from_sdist = [k for k in plan.kernels if built_from_sdist(k)]   # compiled, or Triton pinned by its sdist
+    found, states = cached_or_fetched(plan, from_sdist, store, remote, log)
+    compiled = [k for k in from_sdist if k.name not in found]
     jobs = split_jobs(compiled, cores or os.cpu_count() or 1)
     results: dict[str, HostKernel] = {}
     errors: dict[str, BaseException] = {}
@@ -223,14 +229,15 @@ def build_here(image_dir: Path, *, manifest_path: Path, cache: CacheLayout, out:
     for kernel in compiled:
         found[kernel.name] = results[kernel.name].entry
         states[kernel.name] = f"miss (compiled in {results[kernel.name].seconds:.0f}s)"
-    if remote is not None:
+    if remote is not None:    # a registry takes compiled kernels only
+        kinds = {k.name: k.compiled for k in plan.kernels}
         for name, entry in found.items():
-            if states[name] != "hit registry":
+            if states[name] != "hit registry" and kinds[name]:
                 remote.queue_kernel(entry)
         remote.flush()
     kernel_wheels = []
     for kernel in plan.kernels:
-        if kernel.compiled:
+        if built_from_sdist(kernel):
             entry = found[kernel.name]
             dest = out / "wheels" / entry.wheel.name
             shutil.copyfile(entry.wheel, dest)

@@ -2,7 +2,8 @@
 
 The container runs recipe.py (the same recipe `kernels build-here` runs on a host) with
 networking disabled; its output streams back line by line, so ninja's progress shows as
-it happens.
+it happens. A Triton kernel pinned by its sdist (PyPI has no wheel of it) goes the same way:
+its wheel is pure Python, built from the patched sdist with nothing compiled.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from build.cache import CacheLayout, UnsafeFile, copy_nofollow, link_or_copy, sha256_file
 from build.engine import Engine
@@ -23,14 +25,13 @@ from build.kernels.store import KernelEntry, KernelStore
 from build.kernels.wheel_checks import (
     CHECK_SCRIPT,
     CheckRow,
-    arch_rows,
     dist_info_rows,
     fail_on,
     kernel_check_config,
     parse_rows,
     render_rows,
-    tag_rows,
     version_rows,
+    wheel_content_rows,
 )
 from build.resolve import BuildPlan, KernelPlan, digest
 from build.spec import REPO_ROOT
@@ -42,6 +43,24 @@ RECIPE = Path(__file__).resolve().parent / "recipe.py"
 CCACHE_VOLUME = "ftimage-ccache"
 KEY_LABEL = "io.ftimage.kernel-build"
 BUILDER_LABEL = "io.ftimage.builder.closure"
+
+
+def built_from_sdist(kernel: KernelPlan) -> bool:
+    """A kernel this build makes from its pinned sdist: every compiled kernel, and a Triton kernel
+    pinned by its sdist (a pure-Python wheel, made by the same recipe). A Triton kernel pinned by
+    its wheels is only fetched."""
+    return kernel.compiled or any(not s.filename.endswith(".whl") for s in kernel.sources)
+
+
+def unkeyed_inputs(kernel: KernelPlan) -> dict[str, Any] | None:
+    """What a kernel built from its sdist is made from that its key does not cover; None when the
+    key covers it all. A Triton kernel's key holds only its sources (build/resolve keeps it free of
+    the toolchain), so one built from a patched sdist records its patches, knobs and build
+    requirements in meta.json, and a cache entry made from others is stale, not a hit."""
+    if not built_from_sdist(kernel) or "patches" in kernel.key_inputs:
+        return None
+    return {"patches": [p.sha256 for p in kernel.patches], "build_env": dict(sorted(kernel.build_env.items())),
+            "build_requires": list(kernel.build_requires)}
 
 
 def parallel_jobs(memory_per_job_gb: float, *, cores: int | None = None) -> int:
@@ -141,8 +160,9 @@ def check_and_publish(kernel: KernelPlan, toolchain, out: Path, output: str, dur
                                            "the check script printed no result", "see the build log")]
     observed = json.loads((out / "observed.json").read_text())
     report = archs_of_wheel(wheels[0])
-    rows += version_rows(kernel.name, observed, toolchain) + arch_rows(kernel.name, report, kernel.archs)
-    rows += tag_rows(kernel.name, wheels[0].name, python=toolchain.python, platform=kernel.key_inputs["platform"])
+    rows += version_rows(kernel.name, observed, toolchain)
+    rows += wheel_content_rows(kernel, wheels[0].name, report, python=toolchain.python,
+                               platform=kernel.key_inputs.get("platform"))
     rows += dist_info_rows(kernel.name, wheels[0])
     log.emit("check", f"checks for {kernel.name}:\n{render_rows(rows)}", step=kernel.name)
     fail_on(rows, f"the freshly built {kernel.name} wheel is unsound and was NOT cached")
@@ -162,10 +182,14 @@ def entry_meta(kernel: KernelPlan, wheel: Path, observed: dict, sass, ptx, build
                jobs: int) -> dict:
     """A kernel cache entry's meta.json: what the wheel is (its sha256, its SASS and PTX), what it
     was built from (the key's inputs, the patches), what the recipe saw, and its build log's digest."""
-    return {"kernel": kernel.name, "version": kernel.version, "wheel": wheel.name, "sha256": sha256_file(wheel),
+    meta = {"kernel": kernel.name, "version": kernel.version, "wheel": wheel.name, "sha256": sha256_file(wheel),
             "inputs": kernel.key_inputs, "observed": observed, "archs": {"sass": list(sass), "ptx": list(ptx)},
             "build_log_sha256": hashlib.sha256(build_log).hexdigest(), "duration_s": round(duration, 1),
             "max_jobs": jobs, "created": int(time.time()), "patches": [p.path for p in kernel.patches]}
+    built_from = unkeyed_inputs(kernel)
+    if built_from is not None:
+        meta["built_from"] = built_from
+    return meta
 
 
 def builder_for(kernel: KernelPlan, plan: BuildPlan, *, builder_base: str, cache: CacheLayout, engine: Engine,

@@ -96,26 +96,49 @@ def check_extension(kernel, rows):
                             "kernel version"))
 
 
-def check_python_entry_points(kernel, rows):
-    """Find each entry point in the package's source without importing it: importing fla
-    initialises Triton's GPU driver, which a GPU-free build host does not have."""
-    import ast
+def module_source(module_name):
+    """(the source file of a dotted module, "") or (None, why), without importing anything:
+    find_spec("a.b") imports the package `a`, and importing fla or mamba_ssm initialises Triton's
+    GPU driver (absent on a GPU-free build host) and imports their own dependencies (absent from
+    a builder). Only the top-level package is looked up; its submodules are found on disk."""
     import importlib.util
+    top, *rest = module_name.split(".")
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    if spec is None:
+        return None, "module not found"
+    origin, folders = spec.origin, list(spec.submodule_search_locations or [])   # a namespace package: no origin
+    for part in rest:
+        for folder in folders:
+            package, module = os.path.join(folder, part, "__init__.py"), os.path.join(folder, part + ".py")
+            if os.path.isfile(package):
+                origin, folders = package, [os.path.join(folder, part)]
+                break
+            if os.path.isfile(module):
+                origin, folders = module, []
+                break
+        else:
+            return None, "module not found"
+    if not origin or not os.path.isfile(origin):
+        return None, "module not found"
+    return origin, ""
+
+
+def check_python_entry_points(kernel, rows):
+    """Find each entry point in the package's source without importing it (module_source)."""
+    import ast
     name = kernel["name"]
-    for direction in ("forward", "backward"):
+    for direction in ("forward", "backward", "other"):
         for target in kernel["entry_points"].get(direction, []):
             module_name, _, attr = target.partition(":")
-            try:
-                spec = importlib.util.find_spec(module_name)
-            except (ImportError, ValueError) as exc:
-                spec, error = None, f"{type(exc).__name__}: {exc}"
-            else:
-                error = "module not found"
-            if spec is None or not spec.origin:
+            origin, error = module_source(module_name)
+            if origin is None:
                 rows.append(row(name, f"entry point ({direction})", False, f"{target}: {error}",
                                 "install the pinned version of the package"))
                 continue
-            with open(spec.origin) as fh:
+            with open(origin) as fh:
                 tree = ast.parse(fh.read())
             scope, found = tree.body, True
             for part in attr.split("."):

@@ -234,11 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     env = dict(os.environ)
+    knob_names = {"MAX_JOBS"}
     for item in args.env:
         key, sep, value = item.partition("=")
         if not sep or not SAFE_ENV.fullmatch(key):
             raise SystemExit(f"ftimage: bad --env {item!r}")
         env[key] = value
+        knob_names.add(key)
     env.update({"MAX_JOBS": str(max(1, args.jobs)), "NVCC_THREADS": "1", "NINJA_STATUS": NINJA_STATUS,
                 "PIP_NO_INPUT": "1", "PYTHONDONTWRITEBYTECODE": "1"})
     if args.ccache and shutil.which("ccache"):
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         install_build_requires(args.build_requires)
     src = unpack(args.sdist, args.work / "src")
     apply_patches(src, args.patches)
-    knobs = " ".join(f"{k}={env[k]}" for k in sorted(env) if k.startswith(("FLASH_", "CAUSAL_", "MAX_JOBS")))
+    knobs = " ".join(f"{k}={env[k]}" for k in sorted(knob_names))
     say(f"compiling {args.sdist.name} with {knobs}")
     wheel = build_wheel(src, args.out, env)
     (args.out / "observed.json").write_text(json.dumps(observe(), sort_keys=True))

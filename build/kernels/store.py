@@ -8,7 +8,9 @@ An entry is staged in `kernels/.tmp-<key>-*` and renamed into place only once th
 passed every check, under a per-key file lock, so a concurrent or killed build never exposes
 half an entry. A hit is only a hit if the wheel's sha256 still matches meta.json; an entry
 that does not is reported by name (`--plan`, `kernels list`, the build log) and rebuilt,
-never used and never deleted without a word.
+never used and never deleted without a word. An entry of a Triton kernel built from its sdist
+is also checked against what its key does not cover (its patches and knobs: `built_from`); one
+made from others is stale, named and rebuilt.
 """
 from __future__ import annotations
 
@@ -49,13 +51,14 @@ class KernelEntry:
 @dataclass(frozen=True)
 class EntryState:
     key: str
-    state: str          # "hit", "miss" or "corrupt"
+    state: str          # "hit", "miss", "corrupt" or "stale" (made from other unkeyed inputs)
     detail: str = ""
     entry: KernelEntry | None = None
 
 
-def read_entry(directory: Path, key: str) -> EntryState:
-    """Inspect one entry directory without changing it."""
+def read_entry(directory: Path, key: str, built_from: dict[str, Any] | None = None) -> EntryState:
+    """Inspect one entry directory without changing it. `built_from`: what the entry must have
+    been made from beyond its key (compile.unkeyed_inputs), or None when the key covers it all."""
     meta_path = directory / META
     if not meta_path.is_file():
         return EntryState(key, "miss")
@@ -75,6 +78,9 @@ def read_entry(directory: Path, key: str) -> EntryState:
                                               f"{str(meta['sha256'])[:12]}...")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return EntryState(key, "corrupt", f"meta.json is unreadable ({type(exc).__name__})")
+    if built_from is not None and meta.get("built_from") != built_from:
+        return EntryState(key, "stale", f"{wheel_name} was built from other patches, knobs or build requirements "
+                                        "than the plan's (this kernel's key covers its sources only)")
     return EntryState(key, "hit", entry=KernelEntry(key=key, directory=directory, meta=meta))
 
 
@@ -91,8 +97,8 @@ class KernelStore:
         self.root.mkdir(parents=True, exist_ok=True)
         return FileLock(str(self.root / f".{self._dir(key).name}.lock"))
 
-    def state(self, key: str) -> EntryState:
-        return read_entry(self._dir(key), key)
+    def state(self, key: str, built_from: dict[str, Any] | None = None) -> EntryState:
+        return read_entry(self._dir(key), key, built_from)
 
     def get(self, key: str) -> KernelEntry | None:
         """A verified entry, or None (a corrupt entry is not used; `state` says why)."""

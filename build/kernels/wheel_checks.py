@@ -115,6 +115,35 @@ def tag_rows(name: str, wheel: str, *, python: str, platform: str | None) -> lis
             for what, ok, want in checks]
 
 
+def wheel_content_rows(kernel, wheel: str, report: ArchReport, *, python: str, platform: str | None) -> list[CheckRow]:
+    """What a wheel built from an sdist holds, by the kernel's kind: a compiled kernel's SASS for
+    exactly its target archs and its CPython/platform tags; a Triton kernel's wheel no GPU code at
+    all and the pure-Python tag (Triton compiles its kernels at run time, for the GPU it finds)."""
+    if kernel.compiled:
+        return arch_rows(kernel.name, report, kernel.archs) + tag_rows(kernel.name, wheel, python=python,
+                                                                       platform=platform)
+    return pure_rows(kernel.name, wheel, report)
+
+
+def pure_rows(name: str, wheel: str, report: ArchReport) -> list[CheckRow]:
+    """A Triton kernel's wheel built from its sdist: no SASS or PTX, tagged py3-none-any. Either
+    failing means the package compiled its CUDA extension after all (its skip knob did not take)."""
+    fix = f"the build compiled an extension: set the package's skip-CUDA knob in {name}'s build_env"
+    gpu_code = [*report.sass, *(f"PTX {a}" for a in report.ptx)]
+    rows = [CheckRow(name, "pure Python (no GPU code)", "FAIL" if gpu_code else "PASS",
+                     f"holds {', '.join(gpu_code)}" if gpu_code else "no SASS or PTX (Triton compiles at run time)",
+                     fix if gpu_code else "")]
+    try:
+        tags = parse_wheel_filename(wheel)[3]
+    except InvalidWheelFilename:
+        return rows + [CheckRow(name, "wheel tag: pure", "FAIL", f"{wheel} is not a wheel file name",
+                                "rebuild the wheel with pip")]
+    pure = all(re.fullmatch(r"py3\d*", t.interpreter) and t.abi == "none" and t.platform == "any" for t in tags)
+    shown = ".".join(sorted(str(t) for t in tags))
+    return rows + [CheckRow(name, "wheel tag: pure", "PASS" if pure else "FAIL",
+                            f"{wheel} is tagged {shown}; wanted py3-none-any", "" if pure else fix)]
+
+
 def dist_info_rows(name: str, wheel: Path) -> list[CheckRow]:
     """What the wheel says of itself (its .dist-info WHEEL and METADATA) against its file name:
     the tags, name and version the file name claims must be the ones it holds."""
