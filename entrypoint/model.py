@@ -114,9 +114,12 @@ def model_family(model):
     return load_family(name)
 
 
-def rebuild_buffers(model, device: torch.device) -> None:
-    """Buffers that are not weights (rotary inv_freq) are computed, not loaded: after to_empty they
-    hold garbage, so each rotary module is rebuilt from its config and its buffers copied over."""
+def rebuild_buffers(model, device: torch.device, family=None) -> None:
+    """Buffers that are not weights (rotary inv_freq, Falcon-H1's muP vector) are computed, not
+    loaded: after to_empty they hold garbage, so each rotary module is rebuilt from its config and
+    its buffers copied over, and the family's own hook rebuilds the rest."""
+    if family is not None and hasattr(family_runtime.hooks(family), "rebuild_buffers"):
+        family_runtime.hooks(family).rebuild_buffers(model, device)
     for module in model.modules():
         if type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config"):
             fresh = type(module)(module.config)
@@ -139,5 +142,5 @@ def sharded_model(cfg, *, attn: str, device, world: int):
     family_runtime.add_batch_kwargs(family, model)
     model.to_empty(device=device)
     load_sharded(model, cfg.model.path)
-    rebuild_buffers(model, device)
+    rebuild_buffers(model, device, family)
     return model, n_ac

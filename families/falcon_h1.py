@@ -11,7 +11,7 @@ import torch
 from families.granitemoehybrid import FP32_PARAMS, mamba2_groups, mamba2_mixer, persist_mamba2_state
 
 MIXER = "mamba"
-__all__ = ["FP32_PARAMS", "fsdp_groups", "prepare_probe_model"]
+__all__ = ["FP32_PARAMS", "fsdp_groups", "prepare_probe_model", "rebuild_buffers"]
 
 
 def fsdp_groups(layer) -> list[tuple[list, str]]:
@@ -27,3 +27,17 @@ def prepare_probe_model(model):
             if mixer is not None:
                 persist_mamba2_state(mixer)
     return model.eval()
+
+
+def rebuild_buffers(model, device) -> None:
+    """The muP `mup_vector` of every mixer is a non-persistent buffer computed from the config at
+    __init__: a model built on the meta device and materialised with to_empty holds garbage there
+    (NaN gradients at the first step), and no checkpoint carries it, so it is computed again."""
+    from transformers.models.falcon_h1.modeling_falcon_h1 import compute_mup_vector
+
+    inner = getattr(model, "model", model)
+    vector = compute_mup_vector(inner.config).to(device)
+    for layer in inner.layers:
+        mixer = mamba2_mixer(layer, MIXER)
+        if mixer is not None:
+            mixer.mup_vector.data.copy_(vector.to(mixer.mup_vector.dtype))

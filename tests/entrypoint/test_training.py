@@ -37,9 +37,12 @@ def _passing_gate(**_verify_args) -> GateOutcome:
                        report={"stand_in": True, "passed": True})
 
 
-def _launch_packed(config: Path, out: Path, *overrides: str, **popen) -> subprocess.Popen:
+def _launch_packed(config: Path, out: Path, *overrides: str, pythonpath: str = "", **popen) -> subprocess.Popen:
+    env = entrypoint_env()
+    if pythonpath:     # e.g. the kernel test doubles, importable by every rank
+        env["PYTHONPATH"] = f"{pythonpath}{os.pathsep}{env['PYTHONPATH']}"
     launch = prepare(config_file=str(config), overrides=[f"output.dir={out}", *overrides], allow_fallback=False,
-                     env=entrypoint_env(), log=lambda m: None, gate=_passing_gate)
+                     env=env, log=lambda m: None, gate=_passing_gate)
     assert launch.plan.packing.effective == "packed"
     return subprocess.Popen(launch.argv, env=launch.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, **popen)
