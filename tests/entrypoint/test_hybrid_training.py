@@ -26,17 +26,7 @@ FAMILY = "falcon_h1"
 
 @pytest.fixture(scope="module")
 def mamba2(tmp_path_factory):
-    fixture = write_fixture(tmp_path_factory.mktemp("mamba2"), family=FAMILY, n_rows=96)
-    # the probe's weights (small decays, no D skip): a state leaked across a boundary is then
-    # visible in the loss, so the negative control below can fail
-    from families import load_family
-    from families.runtime import hooks
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(fixture.model_dir))
-    hooks(load_family(FAMILY)).prepare_probe_model(model)
-    model.save_pretrained(str(fixture.model_dir))
-    return fixture
+    return write_fixture(tmp_path_factory.mktemp("mamba2"), family=FAMILY, n_rows=96)
 
 
 def test_packed_loss_equals_the_documents_alone_on_two_ranks(mamba2):
