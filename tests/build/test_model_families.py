@@ -3,6 +3,8 @@ table of fused functions and their kernels, the refusal of a CUDA image that lea
 and a one-family image's plan untouched by facts added for other families."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from build.resolve import load_plan
@@ -11,6 +13,7 @@ from families import load_family, read_family, source_check
 
 pytestmark = pytest.mark.unit
 
+REPO = Path(__file__).resolve().parents[2]
 QWEN27B_PLAN_KEY = "47c2c3bb33853f0588b08d49790b2554f1e79a1ffc578fd3ef92eb01c1ec3fee"
 
 
@@ -137,3 +140,9 @@ def test_a_wrapper_whose_function_takes_no_boundary_kwarg_is_a_problem():
     found = source_check.problems(bad)
     assert [f for f, *_ in found] == ["layer_kinds.linear_attention.fused[0].boundary_kwarg"]
     assert "takes no `seq_idx`" in found[0][1]
+
+
+@pytest.mark.parametrize("image", sorted(p.parent.name for p in (REPO / "images").glob("*/image.yaml")))
+def test_every_shipped_image_resolves(image):
+    plan = load_plan(REPO / "images" / image)
+    assert plan.spec.families and plan.plan_key
