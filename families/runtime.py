@@ -51,12 +51,17 @@ def decoder_layers(family: Family, model):
 
 def layer_kinds(family: Family, model) -> dict[int, tuple[str, ...]]:
     """layer index -> the family's layer kinds that layer holds, from the model's own config
-    (`layer_types_key`); every kind in every layer where the family says so (Falcon-H1). A layer
-    type the family does not list (one with no token mixer) holds none."""
+    (`layer_types_key`); every kind in every layer where the family says so (Falcon-H1). A
+    mixerless layer type (Nemotron-H's MoE and MLP blocks) holds none; any other type is an error."""
     n = model.config.num_hidden_layers
     if family.layer_types_key is None:
         return {i: tuple(family.layer_kinds) for i in range(n)}
     types = list(getattr(model.config, family.layer_types_key))[:n]
+    unknown = sorted({t for t in types if t not in family.layer_kinds and t not in family.mixerless_layer_types})
+    if unknown:
+        # fail closed: a layer of a kind the family does not name would go unwatched and unprobed
+        raise ValueError(f"the model's {family.layer_types_key} holds {', '.join(map(repr, unknown))}, which "
+                         f"families/{family.name}.yaml names neither as a layer kind nor as mixerless")
     return {i: ((t,) if t in family.layer_kinds else ()) for i, t in enumerate(types)}
 
 

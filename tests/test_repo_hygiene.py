@@ -143,7 +143,7 @@ def test_parts_depend_one_way():
 # that are not listed (build's pipeline, CLI and __main__; entrypoint's CLI, worker, trainer, step,
 # loss, evaluate, schedule, pid1) sit above all of it. docs/architecture.md holds the same tables.
 BUILD_LAYERS = {
-    "audit": {"contracts", "engine", "errors", "oci", "publish", "signing", "spec"},
+    "audit": {"contracts", "engine", "errors", "families", "oci", "publish", "signing", "spec"},
     "base": {"cache", "contracts", "engine", "errors", "oci", "proc", "resolve", "source_date", "spec"},
     "cache": {"errors"},
     "context": {"cache", "contracts", "engine", "guard", "resolve", "source_date", "spec", "templating", "wheelhouse"},

@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deep", action="store_true", help="hash every installed file against RECORD, even huge ones")
     p.add_argument("--model", metavar="DIR", help="the model to be trained (its config.json): refused if it needs "
                    "head dims, dtypes or features the image's kernels were not compiled for")
+    p.add_argument("--families", metavar="A,B|all", help="the model families to prove when no --model is given "
+                   "(default: the lock's; with --no-lock, qwen3_5_text); `all`: every family this verify knows")
     p.add_argument("--param-dtype", default="bfloat16", help="the dtype training runs in (bfloat16, float16, "
                    "float32); refused if the image's kernels lack it")
     return p
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         report = run_checks(args.checks, device=args.device, lock=args.lock, deep=args.deep, model=args.model,
-                            param_dtype=args.param_dtype, no_lock=args.no_lock)
+                            param_dtype=args.param_dtype, no_lock=args.no_lock, families=args.families)
     except UsageError as exc:
         report = Report.of([CheckResult("usage", Status.FAIL, str(exc), exc.fix)])
     if args.json_file:

@@ -78,7 +78,7 @@ def _lock_row(path: Path) -> tuple[CheckResult, object]:
 
 def run_checks(checks: str | Sequence[str] | None = None, *, device: str = "auto",
                lock: str | os.PathLike | None = None, deep: bool = False, model: str | os.PathLike | None = None,
-               param_dtype: str = "bfloat16", no_lock: bool = False) -> Report:
+               param_dtype: str = "bfloat16", no_lock: bool = False, families: str | None = None) -> Report:
     """Run the selected checks and return the report.
 
     Environment problems (no lock, no GPU, a crashing check) become FAIL rows, never exceptions;
@@ -103,7 +103,7 @@ def run_checks(checks: str | Sequence[str] | None = None, *, device: str = "auto
         lock_row, build_lock = CheckResult("lock", Status.SKIP, NO_LOCK_DETAIL, data={"no_lock": True}), None
     else:
         lock_row, build_lock = _lock_row(Path(lock) if lock else lock_path())
-    proven = build_lock.families if build_lock else (DEFAULT_FAMILY,)
+    proven = parse_families(families) or (build_lock.families if build_lock else (DEFAULT_FAMILY,))
     rows = [lock_row]
     model_config, model_source = None, ""
     if model:
@@ -139,6 +139,21 @@ def run_checks(checks: str | Sequence[str] | None = None, *, device: str = "auto
         else:
             rows.extend(_run_one(name, contexts[0]))
     return Report.of(rows)
+
+
+def parse_families(spec: str | None) -> tuple[str, ...]:
+    """`--families a,b` or `all`; empty: not given."""
+    if spec is None:
+        return ()
+    known = known_families()
+    if spec.strip() == "all":
+        return known
+    names = tuple(dict.fromkeys(n.strip() for n in spec.split(",") if n.strip()))
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise UsageError(f"unknown model famil{'ies' if len(unknown) > 1 else 'y'}: "
+                         f"{', '.join(unknown) or '(none given)'}", f"choose from: {','.join(known)}, or all")
+    return names
 
 
 def families_to_check(proven: tuple[str, ...], model_config: dict | None, model_source: str, *,

@@ -39,6 +39,7 @@ from build.audit.verify_payload import (
 from build.engine import ContainerStartFailed, Engine
 from build.spec.shapes import IMAGE_REF, SHA256
 from contracts.errors import FixableError
+from families import NAME, known_families
 
 MIN_PYTHON = (3, 10)
 INTERPRETERS = ("python3", "python")
@@ -236,18 +237,33 @@ def _probe(engine: Engine, audit: Audit, modules: tuple[str, ...], user: str | N
     raise first or refusal(None, INTERPRETERS, path)
 
 
-def verify_args(json_report: bool, model: Path | None) -> list[str]:
+def verify_args(json_report: bool, model: Path | None, families: str | None = None) -> list[str]:
     args = ["--no-lock"] + (["--json"] if json_report else [])
+    args += ["--families", families] if families else []
     return args + (["--model", MODEL_MOUNT] if model else [])
 
 
+def check_families(spec: str | None) -> str | None:
+    """`--families all` or a comma list of family names, checked before it reaches the container
+    (verify there refuses a name it does not know, with the list it knows)."""
+    if spec is None or spec == "all":
+        return spec
+    names = [n.strip() for n in spec.split(",")]
+    bad = [n for n in names if not re.fullmatch(NAME, n)]
+    if bad or not names:
+        raise AuditRefused(f"--families {spec!r} is not `all` or a comma list of family names",
+                           f"give names like qwen3_5_text,granitemoehybrid (known: {', '.join(known_families())})")
+    return ",".join(names)
+
+
 def audit_image(engine: Engine, ref: str, *, json_report: bool = False, gpus: int | None = None,
-                model: Path | None = None, timeout: float = 3600,
+                model: Path | None = None, timeout: float = 3600, families: str | None = None,
                 say: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
                 emit: Callable[[str], None] = sys.stdout.write) -> int:
     """The audit end to end; returns verify's exit code. Raises AuditRefused (exit 2) when
     nothing could be audited; BuildFailure for an engine failure."""
     validate_reference(ref)
+    families = check_families(families)
     info = engine.image(ref)
     if info is None:
         raise AuditRefused(f"image {ref} is not in this Docker engine; audit never pulls (it runs with no network)",
@@ -284,7 +300,7 @@ def audit_image(engine: Engine, ref: str, *, json_report: bool = False, gpus: in
         # One OpenMP thread: the probes' models are tiny, and on a busy host (a CI runner) torch's
         # thread per core spins while its partner waits for a core, several times the CPU for
         # the same verdicts. The image's own environment is otherwise left as it is.
-        result = engine.run(ref, verify_args(json_report, model),
+        result = engine.run(ref, verify_args(json_report, model, families),
                             entrypoint=[audit.probe.executable, "-I", "-B", "-c", BOOTSTRAP], network="none",
                             volumes=volumes, user=user or None, timeout=timeout, labels=AUDIT_LABEL, gpus=gpus,
                             environment={"OMP_NUM_THREADS": "1"})

@@ -27,6 +27,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", metavar="all|N", help="pass GPUs through (docker --gpus); default none")
     p.add_argument("--model", type=Path, metavar="DIR", help="the model to be trained (its config.json), mounted "
                    "read-only")
+    p.add_argument("--families", metavar="A,B|all", help="the model families to prove (default: qwen3_5_text; `all`: "
+                   "every family this checkout knows); with --model, the one its config.json names")
     p.add_argument("--timeout", type=float, default=3600, help="seconds verify may run (default 3600)")
     return p
 
@@ -37,7 +39,7 @@ def main(argv: list[str]) -> int:
         validate_reference(args.image)     # hostile input: checked before the engine is reached
         gpus = parse_gpus(args.gpus)
         return audit_image(connect(), args.image, json_report=args.json, gpus=gpus, model=args.model,
-                           timeout=args.timeout)
+                           timeout=args.timeout, families=args.families)
     except (AuditRefused, BuildFailure) as exc:
         print(exc.render(), file=sys.stderr)
         return EXIT_FAIL

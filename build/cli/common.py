@@ -27,7 +27,7 @@ commands:
                                 zone and host name) and compare image ID, diffIDs and manifest digest
   verify-image REF --key PUB    check an image in a registry: signature, attestation, lock label
                                 (exit 3 if any is refused)
-  audit IMAGE [--json] [--gpus all|N] [--model DIR]
+  audit IMAGE [--json] [--gpus all|N] [--model DIR] [--families A,B|all]
                                 run verify in ANY local image with Python >= 3.10, torch and transformers
                                 (not built here): its own Python and user, no network, no lock; exit as
                                 verify: 0 pass, 1 warn, 2 fail (an image it cannot run in: 2, with the fix)
