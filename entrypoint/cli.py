@@ -122,7 +122,8 @@ def gate(argv: list[str], *, run_verify=None) -> int:
         os.environ["FTIMAGE_VERIFY_OVERRIDDEN"] = outcome.worst
         os.environ[ALLOW_FALLBACK_ENV] = "1"   # the runtime guard in COMMAND's processes honours the same override
     else:
-        log("[gate] verify passed")
+        log(f"[gate] verify passed for model famil{'ies' if len(outcome.families()) > 1 else 'y'} "
+            f"{', '.join(outcome.families()) or '(none named)'}")
     os.environ.pop(REQUIRE_VERIFY_ENV, None)  # the command itself is not gated twice
     return exec_command(command)
 

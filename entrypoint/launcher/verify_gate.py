@@ -27,6 +27,19 @@ class GateOutcome:
     def to_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "worst": self.worst, "report": self.report}
 
+    def families(self) -> tuple[str, ...]:
+        """The model families this verify proved (or tried to): the mounted model's, named by its
+        model_type, else every family the image's lock lists."""
+        for row in self.report.get("results", ()):
+            if row.get("check") == "model_family" and (row.get("data") or {}).get("family"):
+                return (row["data"]["family"],)
+        from contracts.lock import LockError, load_lock, lock_path   # the lock only when asked
+
+        try:
+            return load_lock(lock_path()).families
+        except (LockError, OSError):
+            return ()
+
 
 def verify_argv(*, model: str | None, param_dtype: str) -> list[str]:
     isolated = ["-I"] if sys.flags.isolated else []   # the image's own code only, as in this process

@@ -102,3 +102,22 @@ def test_a_uid_that_can_write_nowhere_is_one_error_naming_the_folders(environ, m
     assert cli.gate(["--", "python", "train.py"], run_verify=lambda **kw: pytest.fail("verified")) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "/var/tmp" in err and "fix:" in err and "Traceback" not in err
+
+
+def test_the_gate_says_which_families_the_node_proved(environ, monkeypatch, capsys, tmp_path):
+    import dataclasses
+
+    from entrypoint import cli
+    from tests.fixtures.locks import environment_lock
+
+    lock = tmp_path / "build.lock.json"
+    lock.write_text(dataclasses.replace(environment_lock(), model_families=("qwen3_5_text", "falcon_h1")).to_json())
+    environ.update({"FTIMAGE_LOCK": str(lock), "TMPDIR": str(tmp_path)})
+    monkeypatch.setattr(cli, "exec_command", lambda argv: 0)
+    every = GateOutcome(passed=True, worst="PASS", table="", report={"results": []})
+    assert cli.gate(["--", "python", "train.py"], run_verify=lambda **kw: every) == 0
+    assert "[gate] verify passed for model families qwen3_5_text, falcon_h1" in capsys.readouterr().err
+    mounted = GateOutcome(passed=True, worst="PASS", table="", report={"results": [
+        {"check": "model_family", "status": "PASS", "detail": "", "data": {"family": "falcon_h1"}}]})
+    assert cli.gate(["--", "python", "train.py"], run_verify=lambda **kw: mounted) == 0
+    assert "[gate] verify passed for model family falcon_h1" in capsys.readouterr().err
