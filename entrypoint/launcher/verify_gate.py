@@ -33,7 +33,7 @@ class GateOutcome:
         for row in self.report.get("results", ()):
             if row.get("check") == "model_family" and (row.get("data") or {}).get("family"):
                 return (row["data"]["family"],)
-        from contracts.lock import LockError, load_lock, lock_path   # the lock only when asked
+        from contracts.lock import LockError, load_lock, lock_path  # the lock only when asked
 
         try:
             return load_lock(lock_path()).families
