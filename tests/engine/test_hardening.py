@@ -73,6 +73,19 @@ def test_verify_on_a_read_only_root_with_no_tmpfs(smoke_image):
     assert "Read-only file system" not in out and "isolation.gdn" in out
 
 
+@pytest.mark.parametrize("user, status, says", [
+    (None, "PASS", "runs as uid 10001"),
+    ("0:0", "WARN", "runs as real root: uid 0"),
+])
+def test_verify_names_the_user_it_runs_as_and_warns_for_real_root(smoke_image, user, status, says):
+    # Slurm's OCI path and pyxis run no ENTRYPOINT: the row comes from verify itself, which the
+    # entrypoint's finetune and the gate both run
+    options = {"user": user} if user else {}
+    code, out = _run(smoke_image, ["verify", "--device", "cpu", "--checks", "environment", "--json"], **options)
+    rows = {r["check"]: r for r in json.loads(out[out.index("{"):])["results"]}
+    assert rows["environment.user"]["status"] == status and says in rows["environment.user"]["detail"], rows
+
+
 def test_the_image_ships_the_app_but_not_its_tests(smoke_image):
     code, out = _run(smoke_image, ["sh", "-c", "ls /opt/ftimage/app; python -I -c 'import tests' 2>&1 | tail -1"])
     assert code == 0, out

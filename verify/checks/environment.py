@@ -16,6 +16,7 @@ from contracts.lock import BuildLock, LockedKernel, LockedPackage
 from verify.context import Context
 from verify.import_facts import Survey
 from verify.provenance import MANIFEST_KINDS
+from verify.checks.run_as import user_row
 from verify.report import CheckResult, Status
 
 REBUILD = "rebuild the image with `python -m build`; do not pip install over a built image"
@@ -277,7 +278,7 @@ def run(ctx: Context) -> list[CheckResult]:
 
     available = torch.cuda.is_available()
     count = torch.cuda.device_count() if available else 0
-    rows = [decide_cuda_device(available, count, torch.cuda.get_device_name(0) if count else "")]
+    rows = [user_row(), decide_cuda_device(available, count, torch.cuda.get_device_name(0) if count else "")]
     lock = ctx.lock
     if lock is None and ctx.no_lock:
         return rows + without_lock(count, torch)
