@@ -13,10 +13,10 @@ import tempfile
 from pathlib import Path
 
 from contracts.lock import BuildLock, LockedKernel, LockedPackage
+from verify.checks.run_as import user_row
 from verify.context import Context
 from verify.import_facts import Survey
 from verify.provenance import MANIFEST_KINDS
-from verify.checks.run_as import user_row
 from verify.report import CheckResult, Status
 
 REBUILD = "rebuild the image with `python -m build`; do not pip install over a built image"
