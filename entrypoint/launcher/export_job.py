@@ -70,7 +70,7 @@ def run_export(plan, rank: int, world: int, device) -> dict:
     from entrypoint.checkpoint.hf_safetensors import export
     from entrypoint.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
     from entrypoint.distributed.parallelize import DTYPES, apply_fsdp, build_mesh
-    from entrypoint.model import build_on_meta, load_tokenizer, rebuild_buffers, resolve_attention
+    from entrypoint.model import build_on_meta, load_tokenizer, model_family, rebuild_buffers, resolve_attention
 
     cfg = plan.config
     con = Console(rank)
@@ -81,7 +81,7 @@ def run_export(plan, rank: int, world: int, device) -> dict:
     model = build_on_meta(cfg.model.path, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
     p = cfg.parallel
     apply_fsdp(model, build_mesh(device.type, world, p.dp_replicate), param_dtype=p.param_dtype,
-               reduce_dtype=p.reduce_dtype)
+               reduce_dtype=p.reduce_dtype, family_name=model_family(model).name)   # its units, as in training
     model.to_empty(device=device)
     state = {"model": get_model_state_dict(model)}
     reader = SafeFileSystemReader(str(path))
