@@ -171,10 +171,11 @@ def test_missing_image_folder_is_a_spec_error(ws, run_cli):
 
 def test_unknown_kernel_message_lists_known_ones(ws, run_cli):
     data = copy.deepcopy(ws.load("qwen27b"))
-    data["kernels"] = ["flash-attn", "mamba-ssm", "causal-conv1d", "flash-linear-attention"]
+    data["kernels"] = ["flash-attn", "mamba-ssm2", "causal-conv1d", "flash-linear-attention"]
     ws.save("qwen27b", data)
     _, _, err = run_cli(ws.plan("qwen27b"))
-    assert "use one of: causal-conv1d, flash-attn, flash-linear-attention" in err
+    assert "unknown kernel 'mamba-ssm2'" in err
+    assert "use one of: causal-conv1d, flash-attn, flash-linear-attention, mamba-ssm" in err
 
 
 def test_finetune_defaults_are_validated_with_the_entrypoint_schema(ws, run_cli):
