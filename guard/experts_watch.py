@@ -32,9 +32,10 @@ import threading
 from collections import Counter, deque
 
 import torch
-import torch.nn.functional as F
 
 from families import Experts
+from families.grouped_mm import moe_module as _moe
+from families.grouped_mm import why_not_grouped
 from guard import graph, rules
 from guard.settings import ALLOW_FALLBACK_ENV
 
@@ -43,50 +44,6 @@ PER_EXPERT = ("eager", FALLBACK)
 LOAD_FIX = ('load the model with experts_implementation="grouped_mm" (`from_pretrained(..., '
             'experts_implementation="grouped_mm")` raises the real error instead of picking eager), or call '
             '`model.set_experts_implementation("grouped_mm")`')
-
-
-def _moe():
-    from transformers.integrations import moe
-
-    return moe
-
-
-def why_not_grouped(device, dtype, *tensors, compiling: bool | None = None,
-                    capability: tuple[int, int] | None = None) -> tuple[str, str]:
-    """(reason, fix) for `_can_use_grouped_mm` saying no; the same conditions, in its order, and the
-    same words as verify.experts_path.why_not_grouped (the guard may not import verify;
-    tests/guard/test_experts_watch.py holds the two equal)."""
-    moe, kind, version = _moe(), getattr(device, "type", None) or str(device).split(":")[0], torch.__version__
-    have = hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")
-    none = (f"torch {version} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm",
-            "use torch >= 2.9 (the image's torch has both)")
-    if kind == "tpu":
-        return ("", "") if have else none
-    if (moe.is_torchdynamo_compiling() if compiling is None else compiling) and dtype != torch.bfloat16:
-        return (f"under torch.compile grouped_mm takes only bfloat16 weights (inductor), and these are {dtype}",
-                "train the experts in bfloat16 (FSDP2 param_dtype), or run them without torch.compile")
-    names = ("input", "weight", *(f"tensor {i}" for i in range(2, len(tensors))))
-    bad = [f"{n} (data_ptr % 16 = {t.data_ptr() % 16})" for n, t in zip(names, tensors) if t.data_ptr() % 16]
-    if kind == "cpu" and moe.is_torch_less_or_equal("2.10.0", accept_dev=True) and bad:
-        return (f"on CPU, torch {version} (<= 2.10) runs grouped_mm only on 16-byte aligned tensors, and "
-                f"{', '.join(bad)} is not (memory-mapped safetensors weights can be unaligned)",
-                "use torch >= 2.11, or load the weights without memory-mapping them")
-    if kind == "cpu" and moe.is_torch_less_or_equal("2.8.0", accept_dev=True):
-        return f"torch {version} (<= 2.8) has no CPU kernel for grouped_mm", "use torch >= 2.9"
-    if kind != "cuda":
-        return ("", "") if have else none
-    cap = tuple(capability) if capability is not None else torch.cuda.get_device_capability(device)
-    sm = f"sm_{cap[0]}{cap[1]}"
-    if hasattr(F, "grouped_mm") or (hasattr(torch, "_grouped_mm") and moe.is_torch_greater_or_equal("2.9",
-                                                                                                   accept_dev=True)):
-        return ("", "") if cap >= (8, 0) else (
-            f"grouped_mm needs compute capability 8.0 or newer (Ampere, sm_80) with torch {version}, and this GPU "
-            f"is {sm}", "run on an sm_80 or newer GPU (A100, H100, B200)")
-    if hasattr(torch, "_grouped_mm"):
-        return ("", "") if cap[0] == 9 else (
-            f"torch {version} (< 2.9) has only torch._grouped_mm, which runs on Hopper (sm_90) alone, and this "
-            f"GPU is {sm}", "use torch >= 2.9 (grouped_mm on sm_80 and newer), or a Hopper GPU")
-    return none
 
 
 def backward_kind(node) -> str | None:

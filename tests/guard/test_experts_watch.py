@@ -12,10 +12,8 @@ from transformers.integrations import moe
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as modeling
 
 from families import Experts
-from guard import experts_watch
 from guard.experts_watch import ExpertsWatch
-from tests.verify.test_experts_path import FACTS, fake, misalign, pretend, tiny_moe
-from verify import experts_path
+from tests.verify.test_experts_path import misalign, tiny_moe
 
 pytestmark = pytest.mark.unit
 IDS = torch.randint(1, 128, (1, 24), generator=torch.Generator().manual_seed(0))
@@ -116,16 +114,3 @@ def test_a_class_the_modeling_module_lacks_is_a_setup_problem():
     problems = ExpertsWatch("qwen3_5_moe", Experts(layer_class="NoSuchExperts"), modeling).install()
     assert [p.function for p in problems] == ["experts"] and "has no NoSuchExperts" in problems[0].message
     assert "get_interface" not in moe.ALL_EXPERTS_FUNCTIONS.__dict__
-
-
-def test_its_reasons_are_verifys_word_for_word(monkeypatch):
-    differ = []
-    for kind, dtype, compiling, torch_version, aligned, capability, functional, private in FACTS:
-        with monkeypatch.context() as m:
-            pretend(m, torch_version, compiling, capability, functional, private)
-            tensors = (fake(kind, dtype, True), fake(kind, dtype, aligned))
-            ours = experts_watch.why_not_grouped(tensors[1].device, dtype, *tensors)
-            theirs = experts_path.why_not_grouped(tensors[1].device, dtype, *tensors)
-        if ours != theirs:
-            differ.append((ours, theirs))
-    assert not differ, differ[:3]
