@@ -12,7 +12,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 
-HIDDEN = ("fla", "causal_conv1d")
+HIDDEN = ("fla", "causal_conv1d", "mamba_ssm")
 
 
 class _BrokenLoader(importlib.abc.Loader):

@@ -42,15 +42,16 @@ TARGETS = {"launches_fallback_over_fused": ("ge", 12.0), "step_time_fallback_ove
            "time_packed_over_padded": ("le", 0.70), "fused_packed_over_fallback_padded": ("ge", 4.8)}
 
 
-def documents(n_docs: int, budget: int, vocab: int, seed: int):
+def documents(n_docs: int, budget: int, vocab: int, seed: int, chars_per_token: float = 4.0):
     """A fixed document set: token lengths from the ultrachat length model, random tokens, every
-    token trained (the loss pattern does not change the kernels' work)."""
+    token trained (the loss pattern does not change the kernels' work). A larger chars_per_token
+    shortens every document alike (bench/family_bench.py scales them to a smaller budget)."""
     import numpy as np
 
     from bench.packing_efficiency import synthetic_ultrachat
     from entrypoint.data.corpus import BadRows, Corpus
 
-    lengths = np.minimum(synthetic_ultrachat(n_docs, chars_per_token=4.0, sigma=0.55, seed=seed), budget)
+    lengths = np.minimum(synthetic_ultrachat(n_docs, chars_per_token=chars_per_token, sigma=0.55, seed=seed), budget)
     rng = np.random.default_rng(seed)
     tokens = rng.integers(1, vocab, int(lengths.sum()), dtype=np.int32)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)

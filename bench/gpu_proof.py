@@ -5,6 +5,7 @@ verify, train with the image's own `finetune`, and benchmark fused vs fallback, 
     python3 bench/gpu_proof.py [--results DIR]          # on the GPU host, from the repo root
     python3 bench/gpu_proof.py --rehearse [--python PY]  # here: every step that needs no GPU
     python3 bench/gpu_proof.py --prepare                 # fetch what must travel into .kit/
+    python3 bench/gpu_proof.py --families a,b            # of the family phases, only these
 
 Phases, in priority order (what matters most runs first), each recorded in DIR/phases.json as it
 ends; a second run skips what passed and finishes the rest:
@@ -19,7 +20,12 @@ ends; a second run skips what passed and finishes the rest:
             fused vs fallback losses)
   bench     bench/gpu_bench.py: fused vs fallback (and transformers <= 5.16's reference), packed vs
             padded, the 27B per-layer widths at 4 and 8 layers
-  summary   DIR/summary.txt, written even when a phase fails or time runs out
+  family:<name>  one per family in families/ (bench/kit_family.py, in its family_priority order):
+            verify's model_fit, dispatch and isolation rows for that family against the kit's
+            lock, then its row of bench/family_bench.py (fused vs fallback, packed vs padded, at
+            the family's `bench` widths); DIR/family-<name>.json
+  summary   DIR/summary.txt, written even when a phase fails or time runs out; it names each
+            family's verdict
 Each phase runs in its own process group under a limit (its own, and what is left of --deadline,
 8 min 50 s by default); at the limit the group and its workers are killed.
 
@@ -56,7 +62,8 @@ HOST_PYTHON = "3.12"   # the GPU host's interpreter: wheels with a per-version t
 # not a traceback from a phase minutes later
 RUNTIME_MODULES = ("torch", "transformers", "tokenizers", "safetensors", "yaml", "jinja2", "numpy", "packaging",
                    "datasets", "elftools")
-LIMITS = {"stage": 60, "compile": 330, "refusal": 60, "verify": 200, "finetune": 300, "bench": 330}
+LIMITS = {"stage": 60, "compile": 330, "refusal": 60, "verify": 200, "finetune": 300, "bench": 330, "family": 240}
+PHASES = ("compile", "refusal", "verify", "finetune", "bench")   # then one family:<name> per family
 DEADLINE = 530
 
 
@@ -82,7 +89,15 @@ class Kit:
                 "FTIMAGE_LOCK": str(self.results / "build.lock.json")}
 
     def run(self, phase: str, argv: list[str], **kw) -> int:
-        return self.runner.run(phase, argv, timeout=LIMITS[phase], env=self.env(), cwd=REPO, **kw)
+        return self.runner.run(phase, argv, timeout=LIMITS[phase.partition(":")[0]], env=self.env(), cwd=REPO,
+                               **kw)
+
+
+def family_phases() -> list[str]:
+    """One phase per family in families/, in the order the kit proves them."""
+    from bench.kit_family import family_priority
+
+    return [f"family:{name}" for name in family_priority(IMAGE)]
 
 
 def machine(kit: Kit) -> dict:
@@ -237,11 +252,11 @@ def summary(kit: Kit, info: dict) -> str:
     lines = [f"GPU proof kit, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {info.get('commit')}"
              f"{' (REHEARSAL: no GPU, nothing below proves a GPU path)' if kit.rehearse else ''}",
              f"machine: {info.get('gpu')}; {info.get('cores')} cores; {json.dumps(info.get('python'))}",
-             "", f"{'phase':<10}{'seconds':>9}  result"]
+             "", f"{'phase':<26}{'seconds':>9}  result"]
     for phase, p in kit.runner.phases.items():
         result = p.get("skipped") or ("TIMED OUT" if p.get("timed_out") else f"exit {p.get('exit_code')}")
-        lines.append(f"{phase:<10}{p.get('seconds', 0):>9}  {result}")
-    lines.append(f"{'total':<10}{round(time.monotonic() - kit.runner.started, 1):>9}")
+        lines.append(f"{phase:<26}{p.get('seconds', 0):>9}  {result}")
+    lines.append(f"{'total':<26}{round(time.monotonic() - kit.runner.started, 1):>9}")
     compiled = load(kit, "compile.json")
     if compiled:
         lines.append("")
@@ -275,6 +290,9 @@ def summary(kit: Kit, info: dict) -> str:
         from bench.gpu_bench import render
 
         lines += ["", render(bench)]
+    from bench.kit_family import summary_lines
+
+    lines += summary_lines(kit.results, [p.partition(":")[2] for p in family_phases()])
     return "\n".join(lines) + "\n"
 
 
@@ -329,11 +347,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python", default=os.environ.get("PYTHON", sys.executable),
                    help="the interpreter whose torch the kernels are built for (default: this one)")
     p.add_argument("--deadline", type=float, default=DEADLINE, help="seconds for the whole kit (default 530)")
-    p.add_argument("--skip", action="append", default=[], choices=("compile", "refusal", "verify", "finetune", "bench"))
+    p.add_argument("--skip", action="append", default=[], choices=(*PHASES, *family_phases()))
+    p.add_argument("--families", help="comma-separated: run only these families' phases (default: every family)")
     p.add_argument("--again", action="store_true", help="run phases that already passed in this results folder")
     args = p.parse_args(argv)
     if args.prepare:
         return prepare()
+    known = [p.partition(":")[2] for p in family_phases()]
+    if args.families and (unknown := sorted(set(args.families.split(",")) - set(known))):
+        print(f"error: unknown families {', '.join(unknown)}\n  fix: choose from {','.join(known)}", file=sys.stderr)
+        return 2
     results = args.results or Path(os.environ.get("FTIMAGE_PROOF_OUT") or os.environ.get("OUT") or "out/gpu-proof")
     try:
         runner = Runner(results.resolve(), deadline_s=args.deadline)
@@ -375,6 +398,15 @@ def main(argv: list[str] | None = None) -> int:
         if wanted("bench"):
             kit.run("bench", [kit.python, "bench/gpu_bench.py", "--json-out", str(kit.results / "bench.json"),
                               *(["--dry-run"] if kit.rehearse else [])])
+        chosen = set(args.families.split(",")) if args.families else None
+        for phase in family_phases():
+            name = phase.partition(":")[2]
+            if chosen is not None and name not in chosen:
+                continue
+            if wanted(phase):
+                kit.run(phase, [kit.python, "bench/kit_family.py", name, "--lock", str(kit.results / "build.lock.json"),
+                                "--json-out", str(kit.results / f"family-{name}.json"),
+                                *(["--rehearse"] if kit.rehearse else [])])
     finally:
         text = summary(kit, info)
         (kit.results / "summary.txt").write_text(text)

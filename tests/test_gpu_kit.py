@@ -130,7 +130,7 @@ class Absent(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Absent())
 failed = []
 names = ["build.cli.main", "build.cli.kernels", "build.kernels.build_here", "bench.gpu_proof", "bench.kit_finetune",
-         "bench.gpu_bench"]
+         "bench.gpu_bench", "bench.kit_family", "bench.family_bench"]
 for package in ("entrypoint", "verify", "families", "contracts"):
     module = importlib.import_module(package)
     names += [m.name for m in pkgutil.walk_packages(module.__path__, package + ".")
@@ -165,3 +165,103 @@ def test_the_kit_carries_datasets_at_the_images_pin():
     pins = [line.split("#")[0].strip().lstrip("- ").strip() for line in spec.read_text().splitlines()]
     assert "datasets" in RUNTIME_MODULES
     assert next(p for p in pins if p.startswith("datasets==")) in CARRIED_WHEELS
+
+
+# --- one kit phase per model family, and the family bench's CPU smoke mode -------------------------
+
+def test_the_kit_has_one_phase_per_family_after_its_own_phases_each_under_its_limit(tmp_path, monkeypatch):
+    import bench.gpu_proof as kit
+    from bench.kit_runner import Runner
+    from families import known_families
+
+    expected = sorted(f"family:{name}" for name in known_families())
+    assert sorted(kit.family_phases()) == expected, \
+        "every family in families/ needs its own kit phase (bench/kit_family.py family_priority)"
+    ran = []
+
+    def fake_run(self, phase, argv, *, timeout, **_kw):
+        ran.append((phase, timeout, argv))
+        self.record(phase, seconds=0.0, exit_code=0)
+        return 0
+
+    monkeypatch.setattr(Runner, "run", fake_run)
+    monkeypatch.setattr(kit, "machine", lambda _kit: {"gpu": "none", "commit": "test"})
+    monkeypatch.setattr(kit, "stage", lambda _kit: True)
+    results = tmp_path / "results"
+    results.mkdir()
+    verdicts = {known_families()[0]: "PASS", known_families()[-1]: "FAIL"}
+    for name, verdict in verdicts.items():
+        (results / f"family-{name}.json").write_text(json.dumps({
+            "family": name, "verdict": verdict, "why": "" if verdict == "PASS" else "dispatch.x: torch reference path",
+            "bench": {"ratios": {"ops_fallback_over_fused (padded)": 3.5}}}))
+    assert kit.main(["--rehearse", "--results", str(results)]) == 0
+    phases = [phase for phase, _, _ in ran]
+    assert phases[:3] == ["verify", "finetune", "bench"]          # compile and refusal need a GPU
+    assert sorted(phases[3:]) == expected and phases[3:] == kit.family_phases()
+    assert all(timeout == kit.LIMITS["family"] for phase, timeout, _ in ran if phase.startswith("family:"))
+    assert all("--rehearse" in argv for phase, _, argv in ran if phase.startswith("family:"))
+    summary = (results / "summary.txt").read_text()
+    for name in known_families():
+        line = next(ln for ln in summary.splitlines() if ln.startswith(f"{name} "))
+        assert verdicts.get(name, "NOT RUN") in line, line
+    assert "3.50x" in summary
+
+
+def test_a_family_added_to_families_gets_a_kit_phase_without_a_list_to_edit(monkeypatch):
+    import families
+    from bench.gpu_proof import family_phases
+
+    real_known, real_load = families.known_families, families.load_family
+    monkeypatch.setattr(families, "known_families", lambda: (*real_known(), "lfm2_copy"))
+    monkeypatch.setattr(families, "load_family", lambda name: real_load("lfm2" if name == "lfm2_copy" else name))
+    phases = family_phases()
+    assert "family:lfm2_copy" in phases and len(phases) == len(real_known()) + 1
+    assert phases[0] == "family:qwen3_5_text"     # the kit image's own family first
+
+
+def test_a_family_verdict_needs_dispatch_isolation_and_a_bench_with_every_kernel_bound():
+    from bench.kit_family import verdict
+
+    row = lambda check, status: {"check": check, "status": status, "detail": f"{check} {status}", "fix": ""}  # noqa: E731
+    runs = {"runs": {"packed": {}, "padded": {}}}
+    bench = {"fused": {**runs, "bindings": {"causal_conv1d_fn": {"kernel": True}}}, "fallback": runs}
+    rows = [row("lock", "PASS"), row("model_fit.head_dim", "FAIL"), row("dispatch.causal_conv1d_fn", "PASS"),
+            row("isolation.conv", "PASS")]
+    assert verdict({"rows": rows, "bench": bench}) == ("PASS", "")    # model_fit explains; sdpa bench
+    assert verdict({"rows": rows[:2], "bench": bench})[0] == "FAIL"
+    assert verdict({"rows": [*rows, row("isolation.ssd", "FAIL")], "bench": bench})[1].startswith("isolation.ssd")
+    assert "did not run" in verdict({"rows": rows, "bench": {**bench, "fallback": {}}})[1]
+    fell_back = {**bench, "fused": {**runs, "bindings": {"causal_conv1d_fn": {"kernel": False}}}}
+    assert "fell back for causal_conv1d_fn" in verdict({"rows": rows, "bench": fell_back})[1]
+
+
+@pytest.mark.slow
+def test_the_family_bench_cpu_smoke_counts_ops_fused_and_fallback_packed_and_padded(tmp_path):
+    # falcon_h1: a Mamba2 hybrid; qwen3_5_moe: a MoE (GDN) hybrid. Two worker processes, one per mode.
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "family_bench.json"
+    proc = subprocess.run([sys.executable, "bench/family_bench.py", "--device", "cpu", "--flavour", "tiny",
+                           "--families", "falcon_h1,qwen3_5_moe", "--json-out", str(out)], cwd=repo,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "doubles" in proc.stdout and "not kernels" in proc.stdout and "mean nothing" in proc.stdout
+    results = json.loads(out.read_text())
+    assert results["device"] == "cpu" and results["doubles"] is True and "mean nothing" in results["note"]
+    assert sorted(results["families"]) == ["falcon_h1", "qwen3_5_moe"]
+    for name, fam in results["families"].items():
+        ops = fam["ratios"]["ops_per_step"]
+        for mode in ("fused", "fallback"):
+            for scheme in ("packed", "padded"):
+                assert ops[mode][scheme] > 0, (name, mode, scheme)
+                run = fam[mode]["runs"][scheme]
+                assert ops[mode][scheme] == run["aten_ops_per_step"] - run["aten_ops_inside_kernels_per_step"] \
+                    + run["kernel_calls_per_step"]
+            assert f"== {name}:" in proc.stdout
+        for scheme in ("packed", "padded"):
+            assert ops["fallback"][scheme] > ops["fused"][scheme], (name, scheme, ops)
+            assert fam["fused"]["runs"][scheme]["kernel_calls_per_step"] > 0
+            assert fam["fallback"]["runs"][scheme]["kernel_calls_per_step"] == 0
+        assert all(b["kernel"] for b in fam["fused"]["bindings"].values())        # the doubles were bound
+        assert not any(b["kernel"] for b in fam["fallback"]["bindings"].values())  # and hidden
