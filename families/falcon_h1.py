@@ -6,27 +6,19 @@ gated norm when mamba_rms_norm) in the compute dtype, A_log / dt_bias / D in fp3
 `mup_vector` is a buffer, not a parameter, so it is in neither unit."""
 from __future__ import annotations
 
-import torch
-
-from families.granitemoehybrid import FP32_PARAMS, mamba2_groups, mamba2_mixer, persist_mamba2_state
+from families.granitemoehybrid import FP32_PARAMS, mamba2_fsdp_groups, mamba2_mixer, prepare_mamba2_probe
 
 MIXER = "mamba"
 __all__ = ["FP32_PARAMS", "fsdp_groups", "prepare_probe_model", "rebuild_buffers"]
 
 
 def fsdp_groups(layer) -> list[tuple[list, str]]:
-    """Inner FSDP units of one decoder layer, innermost first: (modules, "compute" | "fp32")."""
-    return mamba2_groups(mamba2_mixer(layer, MIXER))
+    """Inner FSDP units of one block, innermost first: (modules, "compute" | "fp32")."""
+    return mamba2_fsdp_groups(layer, MIXER)
 
 
 def prepare_probe_model(model):
-    """Make the Mamba2 state persist across tokens so a leaked state is visible (small decays)."""
-    with torch.no_grad():
-        for layer in model.model.layers:
-            mixer = mamba2_mixer(layer, MIXER)
-            if mixer is not None:
-                persist_mamba2_state(mixer)
-    return model.eval()
+    return prepare_mamba2_probe(model, MIXER)
 
 
 def rebuild_buffers(model, device) -> None:

@@ -43,17 +43,26 @@ def persist_mamba2_state(mixer) -> None:
     mixer.D.zero_()
 
 
-def fsdp_groups(layer) -> list[tuple[list, str]]:
-    """Inner FSDP units of one decoder layer, innermost first: (modules, "compute" | "fp32").
-    Attention layers have none (the MoE and shared MLP stay in the layer's own unit)."""
-    return mamba2_groups(mamba2_mixer(layer, MIXER))
+def mamba2_fsdp_groups(layer, attribute: str) -> list[tuple[list, str]]:
+    """Inner FSDP units of one decoder layer whose Mamba2 mixer sits at `attribute`."""
+    return mamba2_groups(mamba2_mixer(layer, attribute))
 
 
-def prepare_probe_model(model):
-    """Make the Mamba2 state persist across tokens so a leaked state is visible."""
+def prepare_mamba2_probe(model, attribute: str):
+    """Make each Mamba2 mixer's state persist across tokens so a leaked state is visible."""
     with torch.no_grad():
         for layer in model.model.layers:
-            mixer = mamba2_mixer(layer, MIXER)
+            mixer = mamba2_mixer(layer, attribute)
             if mixer is not None:
                 persist_mamba2_state(mixer)
     return model.eval()
+
+
+def fsdp_groups(layer) -> list[tuple[list, str]]:
+    """Inner FSDP units of one decoder layer, innermost first: (modules, "compute" | "fp32").
+    Attention layers have none (the MoE and shared MLP stay in the layer's own unit)."""
+    return mamba2_fsdp_groups(layer, MIXER)
+
+
+def prepare_probe_model(model):
+    return prepare_mamba2_probe(model, MIXER)

@@ -5,9 +5,7 @@ shared Mamba2 split of families.granitemoehybrid: projections, conv and gated no
 dtype, A_log / dt_bias / D in fp32. Attention, MoE and MLP blocks have none."""
 from __future__ import annotations
 
-import torch
-
-from families.granitemoehybrid import FP32_PARAMS, mamba2_groups, mamba2_mixer, persist_mamba2_state
+from families.granitemoehybrid import FP32_PARAMS, mamba2_fsdp_groups, prepare_mamba2_probe
 
 MIXER = "mixer"
 __all__ = ["FP32_PARAMS", "fsdp_groups", "prepare_probe_model"]
@@ -15,14 +13,8 @@ __all__ = ["FP32_PARAMS", "fsdp_groups", "prepare_probe_model"]
 
 def fsdp_groups(layer) -> list[tuple[list, str]]:
     """Inner FSDP units of one block, innermost first: (modules, "compute" | "fp32")."""
-    return mamba2_groups(mamba2_mixer(layer, MIXER))
+    return mamba2_fsdp_groups(layer, MIXER)
 
 
 def prepare_probe_model(model):
-    """Make the Mamba2 state persist across tokens so a leaked state is visible (small decays)."""
-    with torch.no_grad():
-        for layer in model.model.layers:
-            mixer = mamba2_mixer(layer, MIXER)
-            if mixer is not None:
-                persist_mamba2_state(mixer)
-    return model.eval()
+    return prepare_mamba2_probe(model, MIXER)
