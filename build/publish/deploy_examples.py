@@ -1,7 +1,8 @@
 """`--deploy-example KIND`: render (print) an example of deploy/ for the image this build pushed,
 pinned by the digest build-report.json recorded: the Kubeflow Trainer v2 ClusterTrainingRuntime
 (k8s-runtime) and TrainJobs on it (k8s-trainjob: our finetune; k8s-trainjob-trl: a TRL script),
-the legacy Training Operator PyTorchJob (k8s) or the Slurm script (slurm). It deploys nothing:
+the legacy Training Operator PyTorchJob (k8s) or the Slurm scripts (slurm: pyxis/enroot; slurm-oci:
+Slurm's own OCI containers, `srun --container`). It deploys nothing:
 `python -m build IMAGE_DIR --deploy-example KIND` prints the rendered example.
 
 The report is a file on disk, so every value read from it is checked against the same grammars
@@ -33,7 +34,8 @@ TEMPLATES = {"k8s-runtime": "kubernetes/clustertrainingruntime.yaml.j2",
              "k8s-trainjob": "kubernetes/trainjob.yaml.j2",
              "k8s-trainjob-trl": "kubernetes/trainjob.yaml.j2",
              "k8s": "kubernetes/pytorchjob.yaml.j2",          # legacy: Kubeflow deprecated kubeflow.org/v1
-             "slurm": "slurm/finetune.sbatch.j2"}
+             "slurm": "slurm/finetune.sbatch.j2",
+             "slurm-oci": "slurm/finetune-oci.sbatch.j2"}
 DNS_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,38}[a-z0-9])?"   # short enough for "<job>-worker-<n>" pod names
 # A TrainJob's name: an RFC 1035 label (the Trainer's rule), at most 47 characters so that its
 # pods' host names, <name>-node-0-<index>, stay within 63.

@@ -279,6 +279,148 @@ def test_slurm_example_pins_the_digest_and_gates_a_user_trainer(run_cli, pushed_
     assert "--rdzv-endpoint=node-a:29400" in command and image in trainer
 
 
+# ---- slurm-oci: Slurm's own OCI containers (run for real on a cluster: tests/engine/test_slurm_cluster.py) ----
+UMOCI_CONFIG = {   # what `umoci unpack --rootless` writes, cut to the fields the bundle step changes
+    "process": {"user": {"uid": 10001, "gid": 10001}, "args": ["/opt/ftimage/venv/bin/python", "-I", "-m"],
+                "env": ["PATH=/opt/ftimage/venv/bin:/usr/bin:/bin"], "cwd": "/workspace",
+                "capabilities": {"bounding": ["CAP_KILL"], "effective": ["CAP_KILL"]},
+                "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}], "noNewPrivileges": True},
+    "root": {"path": "rootfs"}, "hostname": "umoci-default",
+    "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"},
+               {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["size=65536k"]}],
+    "linux": {"uidMappings": [{"containerID": 0, "hostID": 1000, "size": 1}],
+              "namespaces": [{"type": "pid"}, {"type": "uts"}, {"type": "mount"}, {"type": "user"}]},
+}
+
+
+def _oci_bundle(tmp_path: Path, run_cli, pushed_out, digest: str = DIGEST) -> tuple[str, Path, dict]:
+    """The rendered script and a bundle made by its own `bundle` mode, skopeo and umoci stubbed."""
+    code, script, err = _render(run_cli, pushed_out, "slurm-oci")
+    assert code == 0, err
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    # skopeo: write the copied digest where --digestfile says; umoci: unpack = write a config.json
+    (stubs / "skopeo").write_text(f'#!/bin/bash\nwhile [ "$1" != --digestfile ]; do shift; done\n'
+                                  f'printf %s "{digest}" > "$2"\necho "$@" > "$SKOPEO_ARGS"\n')
+    (stubs / "umoci").write_text(f"#!/bin/bash\nmkdir -p \"${{@: -1}}/rootfs\"\n"
+                                 f"echo '{json.dumps(UMOCI_CONFIG)}' > \"${{@: -1}}/config.json\"\n")
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    (tmp_path / "job.sbatch").write_text(script)
+    shared = tmp_path / "shared"
+    env = {"PATH": f"{stubs}:{os.environ['PATH']}", "BUNDLE": str(shared / "smoke.bundle"), "SHARED_DIRS": str(shared),
+           "SKOPEO_ARGS": str(tmp_path / "skopeo-args"), "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", str(tmp_path / "job.sbatch"), "bundle"], env=env, capture_output=True, text=True,
+                          cwd=tmp_path, timeout=60)
+    return script, shared, {"proc": proc, "env": env}
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("python3") is None, reason="needs bash, python3")
+def test_slurm_oci_bundle_is_the_pinned_digest_made_for_slurm(run_cli, pushed_out, tmp_path):
+    script, shared, made = _oci_bundle(tmp_path, run_cli, pushed_out)
+    assert made["proc"].returncode == 0, made["proc"].stderr
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    assert f"docker://{REPOSITORY}@{DIGEST}" in (tmp_path / "skopeo-args").read_text()   # pinned by digest
+    bundle = shared / "smoke.bundle"
+    spec = json.loads((bundle / "config.json").read_text())
+    assert spec["process"]["user"] == {"uid": 0, "gid": 0}       # umoci --rootless maps only the user, to 0
+    assert all(caps == [] for caps in spec["process"]["capabilities"].values()) and spec["process"]["noNewPrivileges"]
+    assert "rlimits" not in spec["process"] and "hostname" not in spec and spec["root"]["readonly"] is True
+    assert [ns["type"] for ns in spec["linux"]["namespaces"]] == ["pid", "mount", "user"]   # the node's host name
+    mounts = {m["destination"]: m for m in spec["mounts"]}
+    assert mounts["/tmp"]["type"] == mounts["/dev/shm"]["type"] == "tmpfs"
+    assert not any(o.startswith("size=") for o in mounts["/dev/shm"]["options"])
+    assert mounts["/etc/hosts"]["source"] == "/etc/hosts" and "ro" in mounts["/etc/hosts"]["options"]
+    assert mounts[str(shared)]["source"] == str(shared)             # SHARED_DIRS at the same path
+    assert (bundle / "ftimage-digest").read_text().strip() == DIGEST
+    assert (bundle / "ftimage-binds").read_text().split() == [str(shared)]
+    again = subprocess.run(["bash", str(tmp_path / "job.sbatch"), "bundle"], env=made["env"], capture_output=True,
+                           text=True, cwd=tmp_path, timeout=60)
+    assert again.returncode == 2 and "exists" in again.stderr      # never unpacked over an old bundle
+
+
+def test_slurm_oci_bundle_of_another_digest_is_refused(run_cli, pushed_out, tmp_path):
+    _, shared, made = _oci_bundle(tmp_path, run_cli, pushed_out, digest="sha256:" + "cd" * 32)
+    assert made["proc"].returncode == 2, made["proc"].stderr
+    assert f"not the pinned {DIGEST}" in made["proc"].stderr and not (shared / "smoke.bundle").exists()
+
+
+def test_slurm_oci_bundle_with_a_relative_shared_dir_is_refused_and_left_unmade(run_cli, pushed_out, tmp_path):
+    script, shared, made = _oci_bundle(tmp_path, run_cli, pushed_out)
+    env = {**made["env"], "SHARED_DIRS": "shared", "BUNDLE": str(shared / "other.bundle")}
+    proc = subprocess.run(["bash", str(tmp_path / "job.sbatch"), "bundle"], env=env, capture_output=True, text=True,
+                          cwd=tmp_path, timeout=60)
+    assert proc.returncode != 0 and "name absolute host folders" in proc.stderr, proc.stderr
+    assert not (shared / "other.bundle").exists() and not list(shared.glob("other.bundle.layout.*"))
+
+
+def _run_oci_sbatch(tmp_path: Path, script: str, bundle: Path, **env) -> tuple[subprocess.CompletedProcess,
+                                                                               list[list[str]]]:
+    """Run the rendered script with srun and scontrol stubbed; return each srun call's argv."""
+    stubs = tmp_path / "job-stubs"
+    stubs.mkdir(exist_ok=True)
+    (stubs / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" >> "$SRUN_ARGS"\necho "--- end" >> "$SRUN_ARGS"\n'
+                                'echo "${SLURM_NODEID-unset} ${SLURM_PROCID-unset}" > "$SRUN_ARGS.ids"\n')
+    (stubs / "scontrol").write_text("#!/bin/bash\nprintf 'node-a\\nnode-b\\n'\n")
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    args = tmp_path / "srun-args"
+    run_env = {"PATH": f"{stubs}:{os.environ['PATH']}", "SRUN_ARGS": str(args), "SLURM_JOB_NODELIST": "node-[a-b]",
+               "SLURM_JOB_NAME": "ftimage-sft", "SLURM_NNODES": "2", "SLURM_JOB_ID": "42", "SLURM_NODEID": "0",
+               "SLURM_PROCID": "0", "BUNDLE": str(bundle), "OUT": str(tmp_path / "shared" / "run"),
+               "CONFIG": str(tmp_path / "shared" / "finetune.yaml"), "HOME": str(tmp_path), **env}
+    args.unlink(missing_ok=True)
+    proc = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=run_env, capture_output=True, text=True,
+                          cwd=tmp_path, timeout=60)
+    calls = args.read_text().split("--- end\n")[:-1] if args.exists() else []
+    return proc, [call.splitlines() for call in calls]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("python3") is None, reason="needs bash, python3")
+def test_slurm_oci_example_runs_the_bundle_with_a_c10d_rendezvous(run_cli, pushed_out, tmp_path):
+    script, shared, made = _oci_bundle(tmp_path, run_cli, pushed_out)
+    assert made["proc"].returncode == 0, made["proc"].stderr
+    bundle = shared / "smoke.bundle"
+    assert "--signal=TERM@" in script and "bash -c" not in script and "sh -c" not in script
+
+    proc, (verify, finetune) = _run_oci_sbatch(tmp_path, script, bundle)
+    assert proc.returncode == 0, proc.stderr
+    # every node's verify in a step of its own first (no --kill-on-bad-exit: the passing nodes exit 0)
+    assert f"--container={bundle}" in verify and "--kill-on-bad-exit=1" not in verify
+    assert verify[-3:] == [GATE, "--", "/bin/true"]
+    assert f"--container={bundle}" in finetune and "--kill-on-bad-exit=1" in finetune
+    assert "--export=HOME,RDZV_ENDPOINT,RDZV_ID" in finetune        # nothing else of the submitting shell
+    command = finetune[finetune.index("--export=HOME,RDZV_ENDPOINT,RDZV_ID") + 1:]
+    assert command == ["/opt/ftimage/venv/bin/python", "-I", "-m", "entrypoint", "finetune", "--config",
+                       str(shared / "finetune.yaml"), f"output.dir={shared / 'run'}"]
+    # Slurm 22.05 puts no task variables in the container: the batch step's would be node 0 on every node
+    assert (tmp_path / "srun-args.ids").read_text().split() == ["unset", "unset"]
+
+    proc, (verify, trainer) = _run_oci_sbatch(tmp_path, script, bundle, TRAIN_SCRIPT=str(shared / "train.py"),
+                                              FTIMAGE_ALLOW_FALLBACK="1", CONTAINER_ENV="WANDB_MODE",
+                                              NPROC_PER_NODE="4")
+    assert proc.returncode == 0, proc.stderr
+    assert verify[-5:] == [GATE, "--model", "/shared/models/Qwen3.5-27B", "--", "/bin/true"]
+    assert "--export=HOME,RDZV_ENDPOINT,RDZV_ID,FTIMAGE_ALLOW_FALLBACK,WANDB_MODE" in trainer
+    command = trainer[trainer.index("--export=HOME,RDZV_ENDPOINT,RDZV_ID,FTIMAGE_ALLOW_FALLBACK,WANDB_MODE") + 1:]
+    assert command[:4] == [GATE, "--model", "/shared/models/Qwen3.5-27B", "--"]
+    assert command[4] == "/opt/ftimage/venv/bin/torchrun" and command[-1] == str(shared / "train.py")
+    assert "--rdzv-endpoint=node-a:29400" in command and "--rdzv-id=42" in command and "--nproc-per-node=4" in command
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"OUT": "/elsewhere/run"}, "/elsewhere/run is not under a folder the bundle binds"),
+    ({"TRAIN_SCRIPT": "/home/me/train.py"}, "/home/me/train.py is not under a folder the bundle binds"),
+    ({"BUNDLE": "/no/such/bundle"}, "is not the bundle of"),
+])
+def test_slurm_oci_example_refuses_what_the_container_cannot_see(run_cli, pushed_out, tmp_path, change, words):
+    script, shared, made = _oci_bundle(tmp_path, run_cli, pushed_out)
+    assert made["proc"].returncode == 0, made["proc"].stderr
+    proc, srun = _run_oci_sbatch(tmp_path, script, shared / "smoke.bundle", **change)
+    assert proc.returncode == 2 and words in proc.stderr and "fix: " in proc.stderr, proc.stderr
+    assert srun == []
+
+
 def test_render_without_a_push_record_says_push_first(run_cli, tmp_path, smoke_tag):
     out = _write_report(tmp_path / "out", smoke_tag, None)
     code, stdout, err = _render(run_cli, out, "k8s")
