@@ -16,6 +16,7 @@ checkpoint folder itself (a `relative_path` climbing out to /etc/shadow is refus
 """
 from __future__ import annotations
 
+import enum
 import io
 import os
 import pickle
@@ -47,8 +48,22 @@ class UnsafeCheckpoint(Exception):
     """A checkpoint file asked to construct something other than checkpoint data."""
 
 
+def enum_member(cls, name):
+    """What `builtins.getattr` may do in checkpoint metadata: name a member of an enum of the
+    metadata module. Python 3.11.0-3.11.3 (Debian 12's 3.11.2, the image's Python) pickle an enum
+    member as getattr(TheEnum, "MEMBER") (later releases as TheEnum(value)), and torch's metadata
+    holds one (_MEM_FORMAT_ENCODING); any other getattr could reach anything, so it is refused."""
+    if (isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__ == METADATA_MODULE
+            and type(name) is str and name in cls.__members__):
+        return cls.__members__[name]
+    raise UnsafeCheckpoint(f"it asks for getattr({getattr(cls, '__qualname__', type(cls).__name__)}, {name!r}), "
+                           "which is not a member of a checkpoint metadata enum")
+
+
 class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
+        if module in ("builtins", "__builtin__") and name == "getattr":    # __builtin__: protocol <= 2
+            return enum_member
         if module == METADATA_MODULE and not name.startswith("__"):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):

@@ -148,3 +148,47 @@ def test_metrics_are_never_appended_through_a_symlink(tmp_path):
     with pytest.raises(UnsafeFolder, match="is a symlink"):
         writer.write({"step": 1, "loss": 1.0})
     assert target.read_text() == "theirs\n"
+
+
+class _Python3112Pickler(pickle.Pickler):
+    """Pickles an enum member as Python 3.11.0-3.11.3 do (Debian 12's 3.11.2, the image's Python):
+    getattr(TheEnum, "MEMBER"), where later releases write TheEnum(value)."""
+
+    def reducer_override(self, obj):
+        import enum
+
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def _repickle(step_dir: Path, metadata) -> None:
+    buffer = io.BytesIO()
+    _Python3112Pickler(buffer).dump(metadata)
+    (step_dir / ".metadata").write_bytes(buffer.getvalue())
+    _reseal(step_dir)
+
+
+def test_metadata_pickled_by_the_image_s_python_resumes(group, tmp_path):
+    from entrypoint.checkpoint.safe_load import MetadataUnpickler
+
+    ckpt, step_dir = _saved(tmp_path)
+    with (step_dir / ".metadata").open("rb") as fh:
+        metadata = MetadataUnpickler(fh).load()
+    _repickle(step_dir, metadata)
+    assert b"getattr" in (step_dir / ".metadata").read_bytes()
+    assert _resume(ckpt, step_dir) is not None
+
+
+def test_a_getattr_in_metadata_reaching_anything_but_an_enum_member_is_refused(group, tmp_path):
+    from torch.distributed.checkpoint import metadata as md
+
+    class Reach:
+        def __reduce__(self):
+            return getattr, (md.Metadata, "__init__")
+
+    ckpt, step_dir = _saved(tmp_path)
+    (step_dir / ".metadata").write_bytes(pickle.dumps(Reach()))
+    _reseal(step_dir)
+    with pytest.raises(CheckpointError, match="not a member of a checkpoint metadata enum"):
+        _resume(ckpt, step_dir)
