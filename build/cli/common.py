@@ -31,7 +31,7 @@ commands:
                                 run verify in ANY local image with Python >= 3.10, torch and transformers
                                 (not built here): its own Python and user, no network, no lock; exit as
                                 verify: 0 pass, 1 warn, 2 fail (an image it cannot run in: 2, with the fix)
-  IMAGE_DIR --deploy-example {k8s-runtime,k8s-trainjob,k8s-trainjob-trl,k8s,slurm}
+  IMAGE_DIR --deploy-example {k8s-runtime,k8s-trainjob,k8s-trainjob-trl,k8s,slurm,slurm-oci}
                                 render a deploy example for the pushed image, pinned by digest:
                                 Kubeflow Trainer v2 runtime and TrainJobs, legacy PyTorchJob, sbatch
   bootstrap-base BASE_DIR       debootstrap a base from images/_bases/<base>/base.yaml (from its deb lock)
