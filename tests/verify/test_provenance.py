@@ -501,7 +501,7 @@ def test_a_pth_finder_serving_fake_kernels_no_longer_passes_any_row(tmp_path, ru
             (name, row["detail"])
         assert f"remove {site}/sneaky_kernels.py, {site}/zz-kernels.pth" in row["fix"], (name, row["fix"])
     assert all(rows[name]["status"] == "FAIL" for name in BINDINGS)
-    assert "no Triton kernel package (fla) is on the path" in rows["environment.triton_runtime"]["detail"]
+    assert "no Triton kernel package (fla, mamba_ssm) is on the path" in rows["environment.triton_runtime"]["detail"]
 
 
 @pytest.mark.slow
