@@ -118,6 +118,10 @@ def run_checks(checks: str | Sequence[str] | None = None, *, device: str = "auto
                               lock_row.fix, lock_row.data)
     if family_row is not None:
         rows.append(family_row)
+    def context(family) -> Context:
+        return Context(lock=build_lock, device=resolved, family=family, deep=deep, model_config=model_config,
+                       model_source=model_source, param_dtype=param_dtype, no_lock=no_lock)
+
     contexts = []
     for family_name in checked:
         family = None
@@ -126,11 +130,9 @@ def run_checks(checks: str | Sequence[str] | None = None, *, device: str = "auto
         except (UnknownFamily, FamilyError) as exc:
             rows.append(CheckResult(f"model_family.{family_name}", Status.FAIL, str(exc).splitlines()[0],
                                     getattr(exc, "fix", "reinstall the image")))
-        contexts.append(Context(lock=build_lock, device=resolved, family=family, deep=deep, model_config=model_config,
-                                model_source=model_source, param_dtype=param_dtype, no_lock=no_lock))
-    if not contexts:   # no family to prove: the family-free checks still run, every other one FAILs
-        contexts.append(Context(lock=build_lock, device=resolved, family=None, deep=deep, model_config=model_config,
-                                model_source=model_source, param_dtype=param_dtype, no_lock=no_lock))
+        contexts.append(context(family))
+    # no family to prove: the family-free checks still run, every other one FAILs
+    contexts = contexts or [context(None)]
     for name in names:
         if name in FAMILY_CHECKS:
             for ctx in contexts:
