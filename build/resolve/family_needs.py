@@ -75,7 +75,8 @@ def check(problems: Problems, spec_file: str, spec: ImageSpec, toolchain: Toolch
                      "reference, slowly and with packed documents leaking", f"{fix}, or drop {need.family}",
                      "unfused-function")
     for kernel in kernels:
-        if families and not any(r in {n.function for n in listed} for r in kernel.replaces):
+        # a kernel that names nothing it replaces (one a trainer calls itself) is not judged here
+        if families and kernel.replaces and not any(r in {n.function for n in listed} for r in kernel.replaces):
             problems.add(spec_file, f"kernels[{spec.kernels.index(kernel.name)}]",
                          f"{kernel.name} provides nothing the image's families use ({', '.join(kernel.replaces)})",
                          f"drop {kernel.name}, or add a family that needs it", "unused-kernel")

@@ -146,3 +146,12 @@ def test_a_wrapper_whose_function_takes_no_boundary_kwarg_is_a_problem():
 def test_every_shipped_image_resolves(image):
     plan = load_plan(REPO / "images" / image)
     assert plan.spec.families and plan.plan_key
+
+
+def test_a_kernel_providing_nothing_the_families_use_is_exit_2(ws, run_cli):
+    data = ws.load("qwen27b")
+    data["kernels"] = [*data["kernels"], "mamba-ssm"]
+    ws.save("qwen27b", data)
+    code, _, err = run_cli(ws.plan("qwen27b"))
+    assert code == 2 and "mamba-ssm provides nothing the image's families use" in err
+    assert "fix: drop mamba-ssm, or add a family that needs it" in err
