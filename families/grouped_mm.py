@@ -13,6 +13,26 @@ import torch
 import torch.nn.functional as F
 
 TENSOR_NAMES = ("input", "weight")       # _can_use_grouped_mm(input, weight, offs) checks these two
+FALLBACK = "grouped_mm_fallback"         # the kind: grouped_mm configured, the per-expert op ran
+PER_EXPERT = ("eager", FALLBACK)         # one small matmul per expert: what training must not run
+LOAD_FIX = ('load the model with experts_implementation="grouped_mm" (`from_pretrained(..., '
+            'experts_implementation="grouped_mm")` raises the real error instead of picking eager), or call '
+            '`model.set_experts_implementation("grouped_mm")`')
+
+
+def builtin_node_kind(node) -> str | None:
+    """The experts implementation a backward node of torch's own ops belongs to (None: another op,
+    or a kernel's autograd Function, which each caller names its own way)."""
+    name = type(node).__name__
+    if FALLBACK in name:
+        return FALLBACK                         # GeneratedBackwardFor_transformers_grouped_mm_fallback_...
+    if name.startswith("GroupedMm"):
+        return "grouped_mm"
+    if name.startswith("Bmm"):
+        return "batched_mm"
+    if name.startswith(("MmBackward", "AddmmBackward")):
+        return "eager"                          # the loop's per-expert F.linear
+    return None
 
 
 def moe_module():

@@ -34,29 +34,16 @@ from collections import Counter, deque
 import torch
 
 from families import Experts
+from families.grouped_mm import FALLBACK, LOAD_FIX, builtin_node_kind, why_not_grouped
 from families.grouped_mm import moe_module as _moe
-from families.grouped_mm import why_not_grouped
 from guard import graph, rules
 from guard.settings import ALLOW_FALLBACK_ENV
-
-FALLBACK = "grouped_mm_fallback"       # grouped_mm configured, the per-expert op ran
-PER_EXPERT = ("eager", FALLBACK)
-LOAD_FIX = ('load the model with experts_implementation="grouped_mm" (`from_pretrained(..., '
-            'experts_implementation="grouped_mm")` raises the real error instead of picking eager), or call '
-            '`model.set_experts_implementation("grouped_mm")`')
 
 
 def backward_kind(node) -> str | None:
     """The experts implementation a backward node belongs to (None: elementwise, indexing...)."""
-    name = type(node).__name__
-    if FALLBACK in name:
-        return FALLBACK                         # GeneratedBackwardFor_transformers_grouped_mm_fallback_...
-    if name.startswith("GroupedMm"):
-        return "grouped_mm"
-    if name.startswith("Bmm"):
-        return "batched_mm"
-    if name.startswith(("MmBackward", "AddmmBackward")):
-        return "eager"                          # the loop's per-expert F.linear
+    if (kind := builtin_node_kind(node)) is not None:
+        return kind
     cls = graph.function_class(node)
     return f"{cls.__module__}.{cls.__qualname__}" if cls is not None and graph.is_kernel_function(cls) else None
 

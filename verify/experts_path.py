@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from families.binding import describe
-from families.grouped_mm import device_type, why_not_grouped
+from families.grouped_mm import FALLBACK, LOAD_FIX, PER_EXPERT, builtin_node_kind, device_type, why_not_grouped
 from families.grouped_mm import fallback_reason as fallback_reason  # re-exported: the row's callers use it
 from families.grouped_mm import moe_module as _moe
 from verify.calltrace import innermost_code
@@ -35,12 +35,7 @@ from verify.probe import packed_batch, token_loss_sum
 from verify.report import CheckResult, Status
 
 ALLOW_FALLBACK_ENV = "FTIMAGE_ALLOW_FALLBACK"
-FALLBACK = "grouped_mm_fallback"         # the kind: grouped_mm configured, the per-expert op ran
-PER_EXPERT = ("eager", FALLBACK)         # one small matmul per expert: what training must not run
 MAX_NODES = 5_000                        # an eager experts call leaves ~10 nodes per expert
-LOAD_FIX = ('load the model with experts_implementation="grouped_mm" (`from_pretrained(..., '
-            'experts_implementation="grouped_mm")` raises the real error instead of picking eager), or call '
-            '`model.set_experts_implementation("grouped_mm")`')
 
 
 def _unexplained(device, dtype) -> tuple[str, str]:
@@ -137,15 +132,8 @@ def _implementations(experts_cls: type) -> dict:
 
 def node_kind(node) -> str | None:
     """Which experts implementation a backward node belongs to (None: elementwise, indexing...)."""
-    name = type(node).__name__
-    if FALLBACK in name:
-        return FALLBACK                         # GeneratedBackwardFor_transformers_grouped_mm_fallback_...
-    if name.startswith("GroupedMm"):
-        return "grouped_mm"
-    if name.startswith("Bmm"):
-        return "batched_mm"
-    if name.startswith(("MmBackward", "AddmmBackward")):
-        return "eager"                          # the loop's per-expert F.linear
+    if (kind := builtin_node_kind(node)) is not None:
+        return kind
     cls = getattr(node, "_forward_cls", None)
     module = getattr(cls, "__module__", "") or ""
     if cls is not None and module.split(".")[0] not in ("torch", "transformers"):
