@@ -83,6 +83,8 @@ UNCOVERED = ""       # the "family" of a transformers modeling module no family 
 
 def _is_other_modeling_module(fullname: str) -> bool:
     """transformers.models.<x>.modeling_<x>: a model package's modeling module (string methods only)."""
+    if not fullname.startswith("transformers.models."):    # every import of every process passes here
+        return False
     parts = fullname.split(".")
     return (len(parts) == 4 and parts[0] == "transformers" and parts[1] == "models"
             and parts[3] == f"modeling_{parts[2]}")
