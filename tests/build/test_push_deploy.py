@@ -239,14 +239,39 @@ def test_k8s_example_shows_a_user_trainer_behind_the_gate(run_cli, pushed_out):
     assert command[command.index("--") + 1] == "/opt/ftimage/venv/bin/torchrun"
 
 
-def _run_sbatch(tmp_path: Path, script: str, **env) -> list[str]:
-    """Run the rendered script with srun and scontrol stubbed; return srun's argv."""
-    stubs = tmp_path / "stubs"
-    stubs.mkdir(parents=True)
-    (stubs / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$SRUN_ARGS"\n')
-    (stubs / "scontrol").write_text("#!/bin/bash\nprintf 'node-a\\nnode-b\\n'\n")
-    for stub in stubs.iterdir():
+# srun, stubbed: it records each call's argv (and whether a task's own variables reached it), then
+# exits as srun does, with the highest exit code of the step's tasks. VERIFY_EXITS holds each
+# node's exit code for the verify step (the gate in front of /bin/true); every other step exits 0.
+SRUN_STUB = """#!/bin/bash
+printf "%s\\n" "$@" >> "$SRUN_ARGS"
+echo "--- end" >> "$SRUN_ARGS"
+echo "${SLURM_NODEID-unset} ${SLURM_PROCID-unset}" > "$SRUN_ARGS.ids"
+highest=0
+if [ "${@: -1}" = /bin/true ]; then
+  for code in ${VERIFY_EXITS:-0 0}; do [ "$code" -gt "$highest" ] && highest=$code; done
+fi
+exit $highest
+"""
+
+
+def _stubs(folder: Path) -> Path:
+    """srun and scontrol stubs (two nodes, node-a and node-b) in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "srun").write_text(SRUN_STUB)
+    (folder / "scontrol").write_text("#!/bin/bash\nprintf 'node-a\\nnode-b\\n'\n")
+    for stub in folder.iterdir():
         stub.chmod(0o755)
+    return folder
+
+
+def _srun_calls(args: Path) -> list[list[str]]:
+    calls = args.read_text().split("--- end\n")[:-1] if args.exists() else []
+    return [call.splitlines() for call in calls]
+
+
+def _run_sbatch(tmp_path: Path, script: str, **env) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    """Run the rendered pyxis script with srun and scontrol stubbed; return each srun call's argv."""
+    stubs = _stubs(tmp_path / "stubs")
     (tmp_path / "job.sbatch").write_text(script)
     args = tmp_path / "srun-args"
     run_env = {"PATH": f"{stubs}:{os.environ['PATH']}", "SRUN_ARGS": str(args), "SLURM_JOB_NODELIST": "node-[a-b]",
@@ -254,8 +279,7 @@ def _run_sbatch(tmp_path: Path, script: str, **env) -> list[str]:
                "OUT": str(tmp_path / "run"), "HOME": str(tmp_path), **env}
     proc = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=run_env, capture_output=True, text=True,
                           cwd=tmp_path, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    return args.read_text().splitlines()
+    return proc, _srun_calls(args)
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -267,16 +291,46 @@ def test_slurm_example_pins_the_digest_and_gates_a_user_trainer(run_cli, pushed_
     # pyxis/enroot spell the registry with '#'
     image = f"--container-image=registry.example.com:5000#team/smoke@{DIGEST}"
 
-    finetune = _run_sbatch(tmp_path / "finetune", script)
-    assert image in finetune and "--no-container-remap-root" in finetune
+    proc, (verify, finetune) = _run_sbatch(tmp_path / "finetune", script)
+    assert proc.returncode == 0, proc.stderr
+    # every node's verify in a step of its own first (no --kill-on-bad-exit: the passing nodes exit 0)
+    assert image in verify and "--no-container-remap-root" in verify and "--kill-on-bad-exit=1" not in verify
+    assert verify[-3:] == [GATE, "--", "/bin/true"]
+    assert image in finetune and "--no-container-remap-root" in finetune and "--kill-on-bad-exit=1" in finetune
     command = finetune[finetune.index("--container-env=MASTER_ADDR,MASTER_PORT,HOME") + 1:]
     assert command[:6] == ["/opt/ftimage/venv/bin/python", "-I", "-m", "entrypoint", "finetune", "--config"]
 
-    trainer = _run_sbatch(tmp_path / "trainer", script, TRAIN_SCRIPT=str(tmp_path / "train.py"))
+    proc, (verify, trainer) = _run_sbatch(tmp_path / "trainer", script, TRAIN_SCRIPT=str(tmp_path / "train.py"))
+    assert proc.returncode == 0, proc.stderr
+    assert verify[-5:] == [GATE, "--model", "/models/Qwen3.5-27B", "--", "/bin/true"]
     command = trainer[trainer.index("--container-env=MASTER_ADDR,MASTER_PORT,HOME") + 1:]
     assert command[:4] == [GATE, "--model", "/models/Qwen3.5-27B", "--"]
     assert command[4] == "/opt/ftimage/venv/bin/torchrun" and command[-1] == "/code/train.py"
     assert "--rdzv-endpoint=node-a:29400" in command and image in trainer
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("python3") is None, reason="needs bash, python3")
+@pytest.mark.parametrize("kind", ["slurm", "slurm-oci"])
+@pytest.mark.parametrize("trainer", [False, True], ids=["finetune", "user-trainer"])
+def test_slurm_one_node_failing_verify_ends_the_job_with_3_before_any_training_step(run_cli, pushed_out, tmp_path,
+                                                                                    kind, trainer):
+    """node-b's verify exits 3, node-a's passes: srun reports the step's highest code, and the job
+    ends with it before the training step starts. Inside the training step the same failure would
+    be hidden behind the nodes stopped while they waited for node-b in the rendezvous (143)."""
+    extra = {"TRAIN_SCRIPT": str(tmp_path / "shared" / "train.py")} if trainer else {}
+    if kind == "slurm":
+        code, script, err = _render(run_cli, pushed_out, kind)
+        assert code == 0, err
+        proc, calls = _run_sbatch(tmp_path, script, VERIFY_EXITS="0 3", **extra)
+    else:
+        script, shared, made = _oci_bundle(tmp_path, run_cli, pushed_out)
+        assert made["proc"].returncode == 0, made["proc"].stderr
+        proc, calls = _run_oci_sbatch(tmp_path, script, shared / "smoke.bundle", VERIFY_EXITS="0 3", **extra)
+    assert proc.returncode == 3, proc.stderr
+    assert len(calls) == 1 and calls[0][-1] == "/bin/true" and GATE in calls[0], calls   # the verify step only
+    passing, _ = (_run_sbatch(tmp_path / "passing", script, **extra) if kind == "slurm" else
+                  _run_oci_sbatch(tmp_path, script, shared / "smoke.bundle", **extra))
+    assert passing.returncode == 0, passing.stderr     # the same script trains once every node passes
 
 
 # ---- slurm-oci: Slurm's own OCI containers (run for real on a cluster: tests/engine/test_slurm_cluster.py) ----
@@ -357,13 +411,7 @@ def test_slurm_oci_bundle_with_a_relative_shared_dir_is_refused_and_left_unmade(
 def _run_oci_sbatch(tmp_path: Path, script: str, bundle: Path, **env) -> tuple[subprocess.CompletedProcess,
                                                                                list[list[str]]]:
     """Run the rendered script with srun and scontrol stubbed; return each srun call's argv."""
-    stubs = tmp_path / "job-stubs"
-    stubs.mkdir(exist_ok=True)
-    (stubs / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" >> "$SRUN_ARGS"\necho "--- end" >> "$SRUN_ARGS"\n'
-                                'echo "${SLURM_NODEID-unset} ${SLURM_PROCID-unset}" > "$SRUN_ARGS.ids"\n')
-    (stubs / "scontrol").write_text("#!/bin/bash\nprintf 'node-a\\nnode-b\\n'\n")
-    for stub in stubs.iterdir():
-        stub.chmod(0o755)
+    stubs = _stubs(tmp_path / "job-stubs")
     args = tmp_path / "srun-args"
     run_env = {"PATH": f"{stubs}:{os.environ['PATH']}", "SRUN_ARGS": str(args), "SLURM_JOB_NODELIST": "node-[a-b]",
                "SLURM_JOB_NAME": "ftimage-sft", "SLURM_NNODES": "2", "SLURM_JOB_ID": "42", "SLURM_NODEID": "0",
@@ -372,8 +420,7 @@ def _run_oci_sbatch(tmp_path: Path, script: str, bundle: Path, **env) -> tuple[s
     args.unlink(missing_ok=True)
     proc = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=run_env, capture_output=True, text=True,
                           cwd=tmp_path, timeout=60)
-    calls = args.read_text().split("--- end\n")[:-1] if args.exists() else []
-    return proc, [call.splitlines() for call in calls]
+    return proc, _srun_calls(args)
 
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("python3") is None, reason="needs bash, python3")
