@@ -8,10 +8,9 @@ from pathlib import Path
 
 from build import kernels as kernel_stage
 from build.base import debs_lock
-from build.base.bootstrap import ensure_base
+from build.base.provide import STAGES, Bases
 from build.build_report import REPORT_NAME, BuildReport
 from build.cache import CacheLayout
-from build.context.dpkg_status import base_packages
 from build.context.render import render_context
 from build.engine import Engine, connect
 from build.engine.diskspace import make_room
@@ -22,7 +21,7 @@ from build.publish.reference import PushTarget
 from build.remote_cache import RemoteCache
 from build.resolve import BuildPlan
 from build.source_date import source_date_epoch
-from build.wheelhouse import fill_wheelhouse
+from build.wheelhouse import Resolution, fill_wheelhouse, wheel_files
 from contracts import atomic, folder_guard
 from contracts.events import EventLog
 
@@ -85,17 +84,20 @@ def _build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Eve
     with timer("engine"):
         engine = engine or connect()
     with timer("bases"):
-        bases = {stage: ensure_base(ref, engine, cache, log)
-                 for stage, ref in (("builder", plan.spec.builder_base), ("runtime", plan.spec.runtime_base))}
-        for stage, base in bases.items():
-            report.cache[f"base:{stage}"] = "hit" if base.reused else "miss (bootstrapped)"
-        debs = base_packages(engine, bases["runtime"].ref)   # for the SBOM
+        provider = Bases(plan, engine, cache, log, remote)
+        bases = provider.find()
+        if builder == "dockerfile":    # its FROM lines need both in the engine
+            for stage in STAGES:
+                provider.loaded(stage)
+        debs = provider.packages("runtime")   # for the SBOM
     with timer("wheelhouse"):
-        resolution = fill_wheelhouse(plan, cache, log)
-        report.cache["wheelhouse"] = f"{'hit' if resolution.cache_hit else 'miss'} ({len(resolution.wheels)} wheels)"
+        resolution = fill_wheelhouse(plan, cache, log, remote=remote.fetch_resolution if remote else None)
+        if builder == "dockerfile":
+            resolution = wheel_files(resolution, plan, cache, log)
+        report.cache["wheelhouse"] = wheelhouse_state(resolution)
     with timer("kernels"):
         provided = kernel_stage.provide_kernels(plan, cache=cache, engine=engine, log=log,
-                                                builder_base=bases["builder"].ref,
+                                                builder_base=lambda: provider.loaded("builder"),
                                                 remote=remote.fetch_kernel if remote else None)
         for name, state in provided.states.items():
             report.cache[f"kernel:{name}"] = state
@@ -104,19 +106,24 @@ def _build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Eve
                 remote.queue_kernel(entry)
             remote.flush()
     with timer("render"):
-        locked_wheels = [LockedWheel(w.filename, w.sha256, cache.wheel_path(w.sha256, w.filename))
-                         for w in resolution.wheels]
-        locked_wheels += [LockedWheel(k.filename, k.sha256, k.path) for k in provided.wheels]
+        pip_wheels = [LockedWheel(w.filename, w.sha256, cache.wheel_path(w.sha256, w.filename))
+                      for w in resolution.wheels]
+        kernel_wheels = [LockedWheel(k.filename, k.sha256, k.path) for k in provided.wheels]
+        locked_wheels = pip_wheels + kernel_wheels
         app_epoch = source_date_epoch()
-        wheels_time = wheels_epoch(locked_wheels) if builder == "oci" else 0
-        sbom_epoch = lock_epoch(wheels_time, engine.image(bases["runtime"].ref) or {}) \
-            if builder == "oci" else app_epoch
+        wheels_time, sbom_epoch = 0, app_epoch
+        if builder == "oci":
+            pip_time = wheels_epoch(pip_wheels) if resolution.epoch is None else resolution.epoch
+            wheels_time = max(pip_time, wheels_epoch(kernel_wheels))   # = wheels_epoch(locked_wheels)
+            sbom_epoch = lock_epoch(wheels_time, provider.info("runtime"))
+            if remote is not None and resolution.source != "registry":
+                remote.queue_resolution(resolution.key, resolution.wheels, pip_time)
         context = render_context(plan, out_dir / "context", wheels=resolution.wheels, cache=cache,
                                  kernel_wheels=provided.wheels,
                                  base_refs={s: b.ref for s, b in bases.items()},
-                                 base_ids=base_identities(engine, plan, bases), base_packages=debs,
+                                 base_ids=base_identities(plan, provider), base_packages=debs,
                                  epoch=app_epoch, sbom_epoch=sbom_epoch,
-                                 lock_build=remote.lock_record() if remote else None)
+                                 lock_build=remote.lock_record() if remote else None, wheel_files=resolution.files)
         report.lock_sha256 = context.lock.sha256()
         report.context_sha256 = context.digest
         for name in ("build.lock.json", "sbom.cdx.json"):
@@ -130,7 +137,10 @@ def _build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Eve
             assembly = assemble_runtime_image(plan, context, wheels=locked_wheels, runtime_base=bases["runtime"].ref,
                                               engine=engine, cache=cache, out_dir=out_dir, app_epoch=app_epoch,
                                               wheels_time=wheels_time, labels=labels, log=log,
-                                              remote=remote.fetch_layer if remote else None)
+                                              remote=remote.fetch_layer if remote else None,
+                                              runtime_base_info=provider.info("runtime"),
+                                              load_runtime_base=lambda: provider.loaded("runtime"),
+                                              fetch_wheels=lambda: wheel_files(resolution, plan, cache, log))
             for layer in assembly.layers if remote else ():
                 remote.queue_layer(layer)
             image = assembly.image
@@ -148,6 +158,9 @@ def _build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Eve
                                  refuse=remote.refuse_kernel if remote else None)
     with timer("prune"):
         report.pruned += prune_superseded(engine, plan, report.image_id, log)
+    for stage in STAGES:      # what each base came to: a registry one may have been loaded since
+        report.cache[f"base:{stage}"] = provider.states[stage]
+    provider.share()
     report.phase_seconds = {k: round(v, 2) for k, v in timer.seconds.items()}
     report.total_seconds = round(time.monotonic() - started, 2)
     if remote is not None:
@@ -203,16 +216,22 @@ def _classic_build(plan: BuildPlan, engine: Engine, context, labels: dict[str, s
             report.steps = [(step[:80], round(secs, 2)) for step, secs in built.step_seconds]
 
 
-def base_identities(engine: Engine, plan: BuildPlan, bases: dict) -> dict[str, str]:
+def wheelhouse_state(resolution: Resolution) -> str:
+    if resolution.source == "registry":
+        return f"hit registry ({len(resolution.wheels)} wheels named" + \
+            ("; downloaded: a stage needed them)" if resolution.files else "; none downloaded)")
+    return f"{'hit' if resolution.cache_hit else 'miss'} ({len(resolution.wheels)} wheels)"
+
+
+def base_identities(plan: BuildPlan, provider: Bases) -> dict[str, str]:
     """What the lock records of each base: the image ID (the canonical config's digest for a
     bootstrapped base), its layers' diffIDs (the root filesystem itself) and the digest of the
     deb lock it was bootstrapped from."""
 
     found: dict[str, str] = {}
     for stage, ref in (("builder", plan.spec.builder_base), ("runtime", plan.spec.runtime_base)):
-        found[stage] = bases[stage].id
-        found[f"{stage}.rootfs"] = ",".join(((engine.image(bases[stage].ref) or {}).get("RootFS") or {})
-                                            .get("Layers") or [])
+        found[stage] = provider.found[stage].id
+        found[f"{stage}.rootfs"] = ",".join((provider.info(stage).get("RootFS") or {}).get("Layers") or [])
         lock = debs_lock.load_lock(ref.bootstrap.path) if ref.bootstrap else None
         found[f"{stage}.debs-lock"] = lock.sha256() if lock else ""
     return found

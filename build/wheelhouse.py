@@ -17,6 +17,7 @@ import shutil
 import stat
 import sys
 import zipfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -52,6 +53,13 @@ class Resolution:
     key: str
     wheels: tuple[Wheel, ...]
     cache_hit: bool
+    source: str = "local"         # "local" (the resolution cache), "index" (pip), "registry" (the remote cache)
+    epoch: int | None = None      # the newest entry time in the wheels, when known without their files
+    files: bool = True            # every wheel is in the cache (a registry resolution fetches none)
+
+
+# (key, plan) -> (the closure, its wheels' newest entry time) from the remote cache, or None
+RemoteResolution = Callable[[str, BuildPlan], "tuple[tuple[Wheel, ...], int] | None"]
 
 
 def platform_tags(platform: str) -> list[str]:
@@ -60,9 +68,36 @@ def platform_tags(platform: str) -> list[str]:
     return tags + [f"manylinux2014_{arch}", f"linux_{arch}"]
 
 
-def fill_wheelhouse(plan: BuildPlan, cache: CacheLayout, log: EventLog) -> Resolution:
-    """The image's pinned closure (its requirements plus the toolchain's torch)."""
+def fill_wheelhouse(plan: BuildPlan, cache: CacheLayout, log: EventLog,
+                    remote: RemoteResolution | None = None) -> Resolution:
+    """The image's pinned closure (its requirements plus the toolchain's torch). With `remote`
+    and no usable local resolution, the registry's resolution entry names the closure and its
+    time, and no wheel is downloaded: `wheel_files` fetches them if a stage needs them after all
+    (a venv layer to assemble, a Dockerfile build)."""
+    key = resolution_key(plan.python_requirements, plan)
+    if remote is not None and cached_resolution(plan, cache) is None:
+        found = remote(key, plan)
+        if found is not None:
+            wheels, epoch = found
+            atomic.write_json(cache.resolutions / f"{key}.json", resolution_record(wheels), indent=1, sort_keys=True)
+            log.emit("wheelhouse", f"image: resolution from the registry, {len(wheels)} wheels named, none downloaded",
+                     key=key[:12])
+            return Resolution(key=key, wheels=wheels, cache_hit=False, source="registry", epoch=epoch, files=False)
     return resolve_closure(plan.python_requirements, plan=plan, cache=cache, log=log, purpose="image")
+
+
+def wheel_files(resolution: Resolution, plan: BuildPlan, cache: CacheLayout, log: EventLog) -> Resolution:
+    """`resolution` with every wheel in the cache: those missing are downloaded by their pinned
+    name, version and sha256 (`pip download --no-deps --require-hashes`), never re-resolved, so
+    the files are exactly the closure the registry's entry named."""
+    if resolution.files:
+        return resolution
+    missing = [w for w in resolution.wheels if w.filename in verify_cached_wheels(resolution.wheels, cache, log)]
+    if missing:
+        log.emit("wheelhouse", f"image: downloading the {len(missing)} wheels a stage needs after all")
+        _download_pinned(missing, plan, cache, log)
+    return Resolution(key=resolution.key, wheels=resolution.wheels, cache_hit=False, source=resolution.source,
+                      epoch=resolution.epoch, files=True)
 
 
 def resolution_key(requirements: tuple[str, ...], plan: BuildPlan) -> str:
@@ -101,10 +136,8 @@ def resolve_closure(requirements: tuple[str, ...], *, plan: BuildPlan, cache: Ca
                      first=missing[0])
     log.emit("wheelhouse", f"{purpose}: resolving and downloading the Python closure with pip", key=key[:12])
     wheels = _download(requirements, plan, cache, log)
-    body = [asdict(w) for w in wheels]
-    atomic.write_json(record, {"schema": RECORD_SCHEMA, "wheels": body, "sha256": digest(body)}, indent=1,
-                      sort_keys=True)
-    return Resolution(key=key, wheels=wheels, cache_hit=False)
+    atomic.write_json(record, resolution_record(wheels), indent=1, sort_keys=True)
+    return Resolution(key=key, wheels=wheels, cache_hit=False, source="index")
 
 
 # Wheels this process has hashed and found intact, with the identity of the file it hashed: a
@@ -153,15 +186,28 @@ def verify_cached_wheels(wheels: tuple[Wheel, ...], cache: CacheLayout, log: Eve
 
 
 def _read_resolution(record: Path, plan: BuildPlan) -> tuple[tuple[Wheel, ...] | None, str]:
+    try:
+        data = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None, "unreadable"
+    return parse_resolution(data, plan)
+
+
+def resolution_record(wheels: tuple[Wheel, ...]) -> dict:
+    """What the resolution cache stores of a closure (and a registry resolution entry carries)."""
+    body = [asdict(w) for w in wheels]
+    return {"schema": RECORD_SCHEMA, "wheels": body, "sha256": digest(body)}
+
+
+def parse_resolution(data, plan: BuildPlan) -> tuple[tuple[Wheel, ...] | None, str]:
     """A record is used only if it is intact (its own sha256 matches) and holds the pinned torch:
     an edited, emptied or truncated record must never yield a torch-less image."""
     try:
-        data = json.loads(record.read_text())
         body = data["wheels"]
         if data.get("schema") != RECORD_SCHEMA or data.get("sha256") != digest(body):
             return None, "its own sha256 does not match: edited or truncated"
         wheels = tuple(Wheel(**w) for w in body)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError):
         return None, "unreadable"
     for w in wheels:
         if not re.fullmatch(r"[0-9a-f]{64}", w.sha256) or "/" in w.filename or w.filename.startswith(".") or \
@@ -199,6 +245,28 @@ def _download(requirements: tuple[str, ...], plan: BuildPlan, cache: CacheLayout
     log.emit("wheelhouse", f"stored {len(wheels)} wheels", total_mb=round(sum(
         cache.wheel_path(w.sha256, w.filename).stat().st_size for w in wheels) / 2 ** 20))
     return tuple(sorted(wheels, key=lambda w: w.name))
+
+
+def _download_pinned(wheels: list[Wheel], plan: BuildPlan, cache: CacheLayout, log: EventLog) -> None:
+    with cache.scratch_dir("download") as tmpdir:
+        reqs = tmpdir / "requirements.lock.txt"
+        reqs.write_text(requirements_lock(tuple(wheels)))
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
+               "--require-hashes", "--dest", str(tmpdir / "dl"), "--only-binary=:all:", "--implementation", "cp",
+               "--python-version", plan.toolchain.python, "--abi", "cp" + plan.toolchain.python.replace(".", ""),
+               "-r", str(reqs)]
+        for tag in platform_tags(plan.spec.platform):
+            cmd += ["--platform", tag]
+        child = proc.run(cmd, capture_output=True, text=True, env={**os.environ, "PIP_NO_INPUT": "1"})
+        if child.returncode != 0:
+            raise BuildFailure(f"pip could not download the pinned wheels the registry's resolution names:\n"
+                               f"{child.stderr[-2000:]}",
+                               "check that your index still serves them, or build without --cache-registry")
+        wanted = {w.sha256 for w in wheels}
+        stored = {_store(path, cache).sha256 for path in sorted((tmpdir / "dl").iterdir())}
+        if not wanted <= stored:
+            raise BuildFailure(f"pip did not deliver {len(wanted - stored)} of the pinned wheels",
+                               "check that your index still serves them, or build without --cache-registry")
 
 
 def _store(path: Path, cache: CacheLayout) -> Wheel:

@@ -104,17 +104,21 @@ def render_context(plan: BuildPlan, directory: Path, *, wheels: tuple[Wheel, ...
                    kernel_wheels: tuple[KernelWheel, ...] = (), base_refs: dict[str, str] | None = None,
                    base_ids: dict[str, str] | None = None, epoch: int | None = None,
                    base_packages: tuple[DebPackage, ...] = (), force: bool = False,
-                   sbom_epoch: int | None = None, lock_build: dict[str, str] | None = None) -> RenderedContext:
+                   sbom_epoch: int | None = None, lock_build: dict[str, str] | None = None,
+                   wheel_files: bool = True) -> RenderedContext:
     """Write the context into `directory` (see render_target.py for what may be replaced there).
     Wheels are hard-linked from the cache: each the file itself, never a link planted there, and
-    of the size its resolution recorded (cache.link_or_copy)."""
+    of the size its resolution recorded (cache.link_or_copy). `wheel_files=False` (a resolution
+    from the registry, whose venv layer is too): the wheelhouse names the wheels in its lock but
+    holds none of them, and the digest is the same, since it is made of their sha256s."""
     epoch = source_date_epoch() if epoch is None else epoch
     base_refs = base_refs or {"builder": plan.spec.builder_base.describe(),
                               "runtime": plan.spec.runtime_base.describe()}
     staging = render_target.staging_beside(directory)
     try:
         lock, labels, inputs = _write(plan, staging, wheels, cache, kernel_wheels, base_refs, base_ids or {}, epoch,
-                                      base_packages, epoch if sbom_epoch is None else sbom_epoch, lock_build)
+                                      base_packages, epoch if sbom_epoch is None else sbom_epoch, lock_build,
+                                      wheel_files)
         context_digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
         render_target.publish_render(staging, directory, force=force)
     finally:
@@ -124,13 +128,14 @@ def render_context(plan: BuildPlan, directory: Path, *, wheels: tuple[Wheel, ...
 
 
 def _write(plan, directory, wheels, cache, kernel_wheels, base_refs, base_ids, epoch, base_packages, sbom_epoch,
-           lock_build=None):
+           lock_build=None, wheel_files=True):
     (directory / "wheelhouse").mkdir(parents=True)
     lock = make_lock(plan, wheels, kernel_wheels, base_ids, build=lock_build)
     inputs: list[dict[str, str]] = []
     for wheel in wheels:
-        link_or_copy(cache.wheel_path(wheel.sha256, wheel.filename), directory / "wheelhouse" / wheel.filename,
-                     size=wheel.size)
+        if wheel_files:
+            link_or_copy(cache.wheel_path(wheel.sha256, wheel.filename), directory / "wheelhouse" / wheel.filename,
+                         size=wheel.size)
         inputs.append({"path": f"wheelhouse/{wheel.filename}", "sha256": wheel.sha256, "kind": "wheel"})
     all_wheels = list(wheels)
     for kw in kernel_wheels:

@@ -22,6 +22,7 @@ import datetime
 import io
 import json
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,9 +190,12 @@ def base_keys(diff_ids: list[str], user: TrainingUser) -> list[str]:
             for i in range(len(diff_ids))]
 
 
-def base_layers(engine, cache: LayerCache, scratch: Path, base_ref: str, user: TrainingUser) -> list[CachedLayer]:
-    """The runtime base's layers, edited; cached by the base's diffIDs and the user."""
-    info = engine.image(base_ref)
+def base_layers(engine, cache: LayerCache, scratch: Path, base_ref: str, user: TrainingUser, *,
+                info: dict | None = None, load: Callable[[], str] | None = None) -> list[CachedLayer]:
+    """The runtime base's layers, edited; cached by the base's diffIDs and the user. `info`: the
+    base's inspect fields when it is not in the engine (a registry base), and `load` what puts it
+    there, called only when a layer must be made here."""
+    info = info or engine.image(base_ref)
     if info is None:
         raise BuildFailure(f"the runtime base {base_ref} is not in the engine", "build again: bases are made first")
     diff_ids = list((info.get("RootFS") or {}).get("Layers") or [])
@@ -204,7 +208,7 @@ def base_layers(engine, cache: LayerCache, scratch: Path, base_ref: str, user: T
     if all(found):
         return found
     saved = scratch / "base-image.tar"
-    engine.save(base_ref, saved)
+    engine.save(load() if load is not None else base_ref, saved)
     with tarfile.open(saved) as image:
         manifest = json.load(image.extractfile("manifest.json"))[0]
         streams = [image.extractfile(path) for path in manifest["Layers"]]

@@ -1,6 +1,7 @@
 """Assemble the runtime image of a plan from its rendered context, and load it into the engine."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,19 +55,26 @@ def runtime_settings(plan: BuildPlan, base_env: list[str], labels: dict[str, str
 def assemble_runtime_image(plan: BuildPlan, context: RenderedContext, *, wheels: list[LockedWheel],
                            runtime_base: str, engine, cache: CacheLayout, out_dir: Path, app_epoch: int,
                            wheels_time: int, labels: dict[str, str], log: EventLog,
-                           remote: RemoteFetch | None = None) -> Assembly:
+                           remote: RemoteFetch | None = None, runtime_base_info: dict | None = None,
+                           load_runtime_base: Callable[[], str] | None = None,
+                           fetch_wheels: Callable[[], None] | None = None) -> Assembly:
     """`wheels_time`: the newest entry time in the wheels (venv.wheels_epoch), read once by the caller.
-    `remote`: asked for a layer the local layer cache lacks (the remote cache)."""
+    `remote`: asked for a layer the local layer cache lacks (the remote cache).
+    `runtime_base_info`: the base's inspect fields when the engine does not hold it yet (a
+    registry base), with `load_runtime_base` to put it there and `fetch_wheels` to put the wheel
+    files in the cache, each called only if a layer must be made here."""
     layers_cache = LayerCache(cache.layers, remote=remote)
     layers_cache.sweep()
-    base_info = engine.image(runtime_base) or {}
+    base_info = runtime_base_info or engine.image(runtime_base) or {}
+    load = load_runtime_base or (lambda: runtime_base)
     user = TrainingUser(plan.spec.user.name, plan.spec.user.uid, plan.spec.gid)
     with layers_cache.assembling():
         with cache.scratch_dir("assemble") as scratch:
-            base = base_layers(engine, layers_cache, Path(scratch), runtime_base, user)
+            base = base_layers(engine, layers_cache, Path(scratch), runtime_base, user, info=base_info, load=load)
             venv = venv_layer(engine=engine, cache=layers_cache, scratch=Path(scratch), wheels=wheels, venv=VENV,
-                              app_dir=APP_DIR, python_minor=plan.toolchain.python, base_ref=runtime_base,
-                              base_diff_ids=[layer.diff_id for layer in base], log=log, wheels_time=wheels_time)
+                              app_dir=APP_DIR, python_minor=plan.toolchain.python, base_ref=load,
+                              base_diff_ids=[layer.diff_id for layer in base], log=log, wheels_time=wheels_time,
+                              fetch_wheels=fetch_wheels)
         directory = context.directory
         lock = file_layer(layers_cache, "lock", {
             f"{str(LOCK_PATH.parent).lstrip('/')}/{name}": ((directory / name).read_bytes(), FILE_MODE)

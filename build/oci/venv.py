@@ -22,6 +22,7 @@ import hashlib
 import io
 import os
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,14 +94,20 @@ def venv_key(wheels: list[LockedWheel], *, venv: str, app_dir: str, python_minor
 
 
 def venv_layer(*, engine, cache: LayerCache, scratch: Path, wheels: list[LockedWheel], venv: str, app_dir: str,
-               python_minor: str, base_ref: str, base_diff_ids: list[str], log: EventLog,
-               wheels_time: int | None = None) -> CachedLayer:
-    """`wheels_time`: wheels_epoch(wheels), when the caller has read it already."""
+               python_minor: str, base_ref: str | Callable[[], str], base_diff_ids: list[str], log: EventLog,
+               wheels_time: int | None = None, fetch_wheels: Callable[[], None] | None = None) -> CachedLayer:
+    """`wheels_time`: wheels_epoch(wheels), when the caller has read it already (or a registry
+    entry told it, and the files are not here). `base_ref`: the runtime base's ref, or what puts
+    it in the engine; `fetch_wheels`: what puts the wheel files in the cache. Both are called only
+    when the layer is made here, not found in a cache."""
     epoch = capped(wheels_epoch(wheels) if wheels_time is None else wheels_time)
     key = venv_key(wheels, venv=venv, app_dir=app_dir, python_minor=python_minor, base_diff_ids=base_diff_ids,
                    epoch=epoch)
 
     def make(path: Path):
+        if fetch_wheels is not None:
+            fetch_wheels()
+        base = base_ref if isinstance(base_ref, str) else base_ref()
         stage = scratch / "venv"
         _install(stage, wheels, venv, python_minor, log)
         site = stage / "lib" / f"python{python_minor}" / "site-packages"
@@ -109,7 +116,7 @@ def venv_layer(*, engine, cache: LayerCache, scratch: Path, wheels: list[LockedW
         (site / guard.APP_PTH).write_text(app_dir + "\n")
         for name, data in guard.install_files().items():   # the runtime guard, in every process of the venv
             (site / name).write_bytes(data)
-        version, cache_tag = _compile(engine, base_ref, stage, venv, python_minor, log)
+        version, cache_tag = _compile(engine, base, stage, venv, python_minor, log)
         problems = depcheck.dependency_problems(site, version)
         if problems:
             raise BuildFailure("the locked wheels do not satisfy each other:\n  " + "\n  ".join(problems[:20]),

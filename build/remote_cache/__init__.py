@@ -19,39 +19,66 @@ cannot be read here is one WARN and is skipped.
 """
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from build.kernels.acceptance import Expected
 from build.kernels.store import KernelEntry, KernelStore
 from build.oci.image import sha256_digest
 from build.oci.layercache import CachedLayer, LayerCache
 from build.publish.registry import RegistryError
+from build.remote_cache.base_entries import BaseMeta, ExpectedBase, base_manifest, fetch_base_layer, read_base_meta
 from build.remote_cache.kernel_entries import fetch_kernel, kernel_manifest, read_meta
 from build.remote_cache.layer_entries import fetch_layer, layer_manifest
 from build.remote_cache.options import RemoteCacheOptions
+from build.remote_cache.resolution_entries import read_resolution, resolution_manifest
 from build.remote_cache.transport import CacheRegistry
 from build.remote_cache.wire import (
+    BASE_ARTIFACT,
+    BASE_LIMITS,
     EMPTY_BLOB,
     KERNEL_ARTIFACT,
     KERNEL_LIMITS,
     LAYER_ARTIFACT,
     LAYER_LIMITS,
+    RESOLUTION_ARTIFACT,
+    RESOLUTION_LIMITS,
     Descriptor,
     Untrusted,
     WireError,
+    base_tag,
     kernel_tag,
     layer_tag,
     parse_manifest,
+    resolution_tag,
 )
+from build.resolve import BuildPlan
+from build.wheelhouse import Wheel
 from contracts.events import EventLog
 
 __all__ = ["RemoteCache", "RemoteCacheOptions"]
+
+
+# writes a base's one layer, gzipped, into the folder it is given: (base.json's fields, the blob)
+BaseExport = Callable[[Path], tuple[BaseMeta, Path]]
+
+
+@dataclass(frozen=True)
+class RegistryBase:
+    """A base entry whose base.json passed (the layer is fetched only if a stage loads the base)."""
+    meta: BaseMeta
+    layers: dict[str, Descriptor]
 
 
 @dataclass
 class _Pending:
     kernels: dict[str, KernelEntry] = field(default_factory=dict)
     layers: dict[str, CachedLayer] = field(default_factory=dict)
+    bases: dict[str, BaseExport] = field(default_factory=dict)
+    resolutions: dict[str, tuple[tuple[Wheel, ...], int]] = field(default_factory=dict)
 
 
 class RemoteCache:
@@ -156,6 +183,58 @@ class RemoteCache:
                           lambda layers: fetch_layer(self.client, self.path, key, layers, cache, expected),
                           "assembling it here instead")
 
+    def fetch_base(self, expected: ExpectedBase) -> RegistryBase | None:
+        """The entry of this bootstrapped base, once its signature and base.json passed; its layer
+        is not downloaded here (`fetch_base_layer`). None: bootstrap it."""
+        return self._read(base_tag, expected.spec_sha256, BASE_ARTIFACT, BASE_LIMITS,
+                          lambda layers: RegistryBase(read_base_meta(self.client, self.path, expected, layers),
+                                                      layers),
+                          "bootstrapping it here instead")
+
+    def fetch_base_layer(self, found: RegistryBase, dest: Path) -> bool:
+        """The base's layer into `dest` (digest and diffID checked); False, after one WARN, when
+        it cannot be had: the caller bootstraps the base instead."""
+        tag = base_tag(found.meta.spec_sha256)
+        if not self._usable():
+            return False
+        try:
+            fetch_base_layer(self.client, self.path, found.meta, dest)
+        except RegistryError as exc:
+            self._lost(exc)
+            return False
+        except (ValueError, OSError) as exc:
+            self._refuse(tag, str(exc), "bootstrapping it here instead")
+            return False
+        return True
+
+    def refuse_base(self, spec_sha256: str, why: str) -> None:
+        """A base entry that the engine would not load as its config says (named, not used again)."""
+        self._refuse(base_tag(spec_sha256), why, "bootstrapping it here instead")
+
+    def fetch_resolution(self, key: str, plan: BuildPlan) -> tuple[tuple[Wheel, ...], int] | None:
+        """The image's closure and its wheels' newest entry time, from the registry; None: resolve it."""
+        return self._read(resolution_tag, key, RESOLUTION_ARTIFACT, RESOLUTION_LIMITS,
+                          lambda layers: read_resolution(self.client, self.path, key, plan, layers),
+                          "resolving it with pip instead")
+
+    def base_state(self, expected: ExpectedBase) -> tuple[str, int]:
+        """For `--plan`: ("in registry" | "miss ...", the bytes of its layer were it loaded)."""
+        found: list[int] = []
+
+        def checked(layers: dict) -> str:
+            meta = read_base_meta(self.client, self.path, expected, layers)
+            found.append(meta.size)
+            return "in registry"
+
+        state = self._state(base_tag, expected.spec_sha256, BASE_ARTIFACT, BASE_LIMITS, "it would be bootstrapped",
+                            checked)
+        return state, (found[0] if found else 0)
+
+    def resolution_state(self, key: str, plan: BuildPlan) -> str:
+        """For `--plan`: "in registry" once resolution.json passed, else "miss ..."."""
+        return self._state(resolution_tag, key, RESOLUTION_ARTIFACT, RESOLUTION_LIMITS, "it would be resolved",
+                           lambda layers: read_resolution(self.client, self.path, key, plan, layers) and "in registry")
+
     def kernel_state(self, expected: Expected) -> str:
         """For `--plan`: "in registry, not yet checked (...)" once the entry's signature and its
         meta.json passed what the build checks before downloading the wheel; "miss", or why the
@@ -204,6 +283,13 @@ class RemoteCache:
     def queue_layer(self, layer: CachedLayer) -> None:
         self.pending.layers[layer.key] = layer
 
+    def queue_base(self, spec_sha256: str, export: BaseExport) -> None:
+        """A base this build used: pushed, exported from the engine, only if the registry lacks it."""
+        self.pending.bases[spec_sha256] = export
+
+    def queue_resolution(self, key: str, wheels: tuple[Wheel, ...], epoch: int) -> None:
+        self.pending.resolutions[key] = (wheels, epoch)
+
     def flush(self, *, mount_from: str = "") -> None:
         """Push every queued entry the registry lacks; never raises for the registry or an entry.
         `mount_from`: a repository on the same registry the image was just pushed to (its layer
@@ -217,6 +303,16 @@ class RemoteCache:
         for layer in pending.layers.values():
             self._push(layer_tag, layer.key, LAYER_ARTIFACT, LAYER_LIMITS, lambda c=layer: layer_manifest(c),
                        mount_from=mount_from)
+        for key, (wheels, epoch) in pending.resolutions.items():
+            self._push(resolution_tag, key, RESOLUTION_ARTIFACT, RESOLUTION_LIMITS,
+                       lambda k=key, w=wheels, e=epoch: resolution_manifest(k, w, e))
+        for key, export in pending.bases.items():
+            scratch = Path(tempfile.mkdtemp(prefix="ftimage-base-export-"))
+            try:   # the base's layer is gzipped only when the registry lacks the entry (`make`)
+                self._push(base_tag, key, BASE_ARTIFACT, BASE_LIMITS,
+                           lambda x=export, d=scratch: base_manifest(*x(d)))
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
         pushed, there = len(self.pushed) - before[0], len(self.already_there) - before[1]
         if pushed or there:
             self.log.emit("cache", f"remote cache {self.options.repository}: pushed {pushed} entries, "

@@ -18,12 +18,17 @@ from build.oci.image import OCI_LAYER, OCI_MANIFEST, canonical, sha256_digest
 
 KERNEL_ARTIFACT = "application/vnd.ftimage.kernel.v1"
 LAYER_ARTIFACT = "application/vnd.ftimage.layer.v1"
+BASE_ARTIFACT = "application/vnd.ftimage.base.v1"
+RESOLUTION_ARTIFACT = "application/vnd.ftimage.resolution.v1"
 EMPTY_CONFIG = "application/vnd.oci.empty.v1+json"
 EMPTY_BLOB = b"{}"
 WHEEL_MEDIA = "application/vnd.ftimage.kernel.wheel.v1+zip"
 KERNEL_META_MEDIA = "application/vnd.ftimage.kernel.meta.v1+json"
 LAYER_MEDIA = OCI_LAYER            # the image's own layer type: the same blob serves both
 LAYER_META_MEDIA = "application/vnd.ftimage.layer.meta.v1+json"
+BASE_MEDIA = OCI_LAYER             # a bootstrapped base's one root filesystem layer, gzipped
+BASE_META_MEDIA = "application/vnd.ftimage.base.meta.v1+json"
+RESOLUTION_MEDIA = "application/vnd.ftimage.resolution.v1+json"
 TITLE = "org.opencontainers.image.title"
 
 KEY = re.compile(r"[0-9a-f]{64}")
@@ -57,6 +62,16 @@ def kernel_tag(key: str) -> str:
 
 def layer_tag(key: str) -> str:
     return f"layer-{check_key(key)}"
+
+
+def base_tag(key: str) -> str:
+    """A bootstrapped base's entry, keyed by the digest of its spec (its deb lock's sha256 among it)."""
+    return f"base-{check_key(key)}"
+
+
+def resolution_tag(key: str) -> str:
+    """An image's pip resolution, keyed as the local resolution cache keys it (build/wheelhouse.py)."""
+    return f"resolution-{check_key(key)}"
 
 
 @dataclass(frozen=True)
@@ -136,3 +151,5 @@ def parse_manifest(data: bytes, artifact_type: str, limits: dict[str, int]) -> d
 
 KERNEL_LIMITS = {WHEEL_MEDIA: MAX_WHEEL, KERNEL_META_MEDIA: MAX_META}
 LAYER_LIMITS = {LAYER_MEDIA: MAX_LAYER, LAYER_META_MEDIA: MAX_META}
+BASE_LIMITS = {BASE_MEDIA: MAX_LAYER, BASE_META_MEDIA: MAX_META}
+RESOLUTION_LIMITS = {RESOLUTION_MEDIA: MAX_META}

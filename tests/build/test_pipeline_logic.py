@@ -61,7 +61,7 @@ def smoke_with_stand_in_wheels(tmp_path, monkeypatch):
         path.write_bytes(name.encode())
         wheels.append(Wheel(name=name, version="1.0", filename=filename, sha256=sha))
     monkeypatch.setattr(pipeline, "fill_wheelhouse",
-                        lambda plan, cache, log: Resolution(key="r", wheels=tuple(wheels), cache_hit=True))
+                        lambda plan, cache, log, remote=None: Resolution(key="r", wheels=tuple(wheels), cache_hit=True))
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
     return plan, cache, tmp_path / "out"
 
