@@ -199,8 +199,8 @@ class RemoteCache:
             return False
         try:
             fetch_base_layer(self.client, self.path, found.meta, dest)
-        except RegistryError as exc:
-            self._lost(exc)
+        except RegistryError as exc:    # cut off mid-pull: this entry is named, the registry stays in use
+            self._refuse(tag, f"its layer did not arrive whole ({exc})", "bootstrapping it here instead")
             return False
         except (ValueError, OSError) as exc:
             self._refuse(tag, str(exc), "bootstrapping it here instead")

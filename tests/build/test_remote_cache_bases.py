@@ -1,0 +1,233 @@
+"""Base and resolution entries of the remote cache, against a real registry (Debian's
+docker-registry, no engine): a base entry round trips with base.json alone (its layer is fetched
+only when asked for, digest and diffID checked); a resolution entry round trips with its time.
+Then each way such an entry can be wrong is one WARN naming the entry and the normal path
+(debootstrap, pip), with nothing half-written: another signer, contents that are not what
+their key says, a layer cut off mid-pull, a base.json naming another deb lock."""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import http.server
+import io
+import json
+import socket
+import tarfile
+import threading
+from pathlib import Path
+
+import pytest
+import requests
+
+from build.oci.image import canonical, image_config, sha256_digest
+from build.remote_cache import wire
+from build.remote_cache.base_entries import BaseMeta, ExpectedBase, base_manifest
+from build.remote_cache.resolution_entries import resolution_bytes
+from build.remote_cache.transport import CacheRegistry
+from build.remote_cache.trust import sign_entry
+from build.resolve import load_plan
+from build.spec import REPO_ROOT
+from build.wheelhouse import Wheel
+from tests.build.test_remote_cache import remote
+
+pytestmark = pytest.mark.unit
+
+SPEC = "a" * 64
+LOCK = "b" * 64
+EXPECTED = ExpectedBase(name="debian-bookworm", spec_sha256=SPEC, debs_lock_sha256=LOCK)
+
+
+def rootfs(folder: Path, text: bytes = b"root\n") -> tuple[Path, str]:
+    """A tiny root filesystem layer, gzipped: (the blob, its diffID)."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        info = tarfile.TarInfo("etc/os-release")
+        info.size = len(text)
+        tar.addfile(info, io.BytesIO(text))
+    blob = folder / "rootfs.tar.gz"
+    folder.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(gzip.compress(raw.getvalue(), mtime=0))
+    return blob, sha256_digest(raw.getvalue())
+
+
+def base_meta(folder: Path, *, lock: str = LOCK, diff_id: str | None = None) -> tuple[BaseMeta, Path]:
+    blob, real_diff_id = rootfs(folder)
+    diff_id = diff_id or real_diff_id
+    config = image_config(diff_id, epoch=1752228997, env=["PATH=/usr/bin", "LANG=C.UTF-8"], cmd=["/bin/bash"],
+                          labels={"io.ftimage.base.spec-sha256": SPEC, "io.ftimage.base.name": EXPECTED.name,
+                                  "io.ftimage.base.rootfs": diff_id}, created_by="ftimage bootstrap-base")
+    data = blob.read_bytes()
+    meta = BaseMeta(name=EXPECTED.name, spec_sha256=SPEC, debs_lock_sha256=lock, config=config, diff_id=diff_id,
+                    digest=sha256_digest(data), size=len(data), packages=())
+    return meta, blob
+
+
+def push_base(address: str, repo: str, meta: BaseMeta, blob: Path, key) -> None:
+    manifest, blobs = base_manifest(meta, blob)
+    client = CacheRegistry(address, timeout=10)
+    client.push_bytes(repo, wire.EMPTY_BLOB)
+    for descriptor, source in blobs:
+        client.push_bytes(repo, source if isinstance(source, bytes) else source.read_bytes())
+    sign_entry(client, repo, f"{address}/{repo}", sha256_digest(manifest), key)
+    client.put_manifest(repo, f"base-{SPEC}", manifest)
+
+
+def test_a_base_round_trips_with_base_json_alone_then_its_layer_on_demand(registry, keys, tmp_path):
+    meta, blob = base_meta(tmp_path / "a")
+    writer = remote(registry.address, "team/bases", sign=keys["signer"][0])
+    writer.queue_base(SPEC, lambda folder: (meta, blob))
+    writer.flush()
+    assert writer.pushed == [f"base-{SPEC}"]
+
+    reader = remote(registry.address, "team/bases", public=keys["signer"][1])
+    found = reader.fetch_base(EXPECTED)
+    assert found is not None and found.meta == meta and found.meta.image_id == sha256_digest(meta.config)
+    assert reader.client.bytes_pulled < 8192                       # base.json, not the layer
+    dest = tmp_path / "fetched.tar.gz"
+    assert reader.fetch_base_layer(found, dest) and dest.read_bytes() == blob.read_bytes()
+    assert reader.test_log.warnings() == []
+    assert reader.base_state(EXPECTED) == ("in registry", meta.size)
+
+    again = remote(registry.address, "team/bases", sign=keys["signer"][0])
+    again.queue_base(SPEC, lambda folder: pytest.fail("the base is exported only when the registry lacks it"))
+    again.flush()
+    assert again.already_there == [f"base-{SPEC}"]
+
+
+def _refused_base(registry, keys, repo: str, why: str) -> None:
+    reader = remote(registry.address, repo, public=keys["signer"][1])
+    assert reader.fetch_base(EXPECTED) is None
+    (line,) = reader.test_log.warnings()
+    assert f"base-{SPEC}" in line and why in line and "bootstrapping it here instead" in line
+
+
+def test_a_base_entry_signed_by_another_key_is_refused(registry, keys, tmp_path):
+    meta, blob = base_meta(tmp_path / "a")
+    push_base(registry.address, "team/foreignbase", meta, blob, keys["other"][0])
+    _refused_base(registry, keys, "team/foreignbase", "made by another key")
+
+
+def test_a_base_json_naming_another_deb_lock_is_refused(registry, keys, tmp_path):
+    meta, blob = base_meta(tmp_path / "a", lock="c" * 64)
+    push_base(registry.address, "team/otherlock", meta, blob, keys["signer"][0])
+    _refused_base(registry, keys, "team/otherlock", "names another deb lock")
+
+
+def test_a_config_naming_another_root_filesystem_is_refused(registry, keys, tmp_path):
+    meta, blob = base_meta(tmp_path / "a")
+    forged = BaseMeta(**{**meta.__dict__, "config": image_config(
+        "sha256:" + "d" * 64, epoch=1752228997, env=[], cmd=[], labels={}, created_by="x")})
+    push_base(registry.address, "team/otherroot", forged, blob, keys["signer"][0])
+    _refused_base(registry, keys, "team/otherroot", "root filesystem is not the layer base.json names")
+
+
+def test_a_layer_whose_tar_is_not_its_diff_id_is_refused_when_fetched_and_nothing_is_left(registry, keys, tmp_path):
+    meta, blob = base_meta(tmp_path / "a", diff_id="sha256:" + "e" * 64)    # signed, but not its own tar
+    push_base(registry.address, "team/wrongtar", meta, blob, keys["signer"][0])
+    reader = remote(registry.address, "team/wrongtar", public=keys["signer"][1])
+    found = reader.fetch_base(EXPECTED)
+    assert found is not None                      # base.json is self-consistent: the layer tells
+    dest = tmp_path / "fetched.tar.gz"
+    assert not reader.fetch_base_layer(found, dest) and not dest.exists()
+    (line,) = reader.test_log.warnings()
+    assert f"base-{SPEC}" in line and "diffID" in line and "bootstrapping it here instead" in line
+
+
+class CutBlobs(http.server.BaseHTTPRequestHandler):
+    """A proxy in front of the registry that sends half of every large blob, then hangs up."""
+    upstream = ""
+
+    def do_GET(self):  # noqa: N802 - the http.server API
+        answer = requests.get(f"http://{self.upstream}{self.path}", headers={"Accept": self.headers.get("Accept", "")},
+                              timeout=10)
+        body = answer.content
+        self.send_response(answer.status_code)
+        for name in ("Content-Type", "Docker-Content-Digest"):
+            if name in answer.headers:
+                self.send_header(name, answer.headers[name])
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        cut = "/blobs/" in self.path and len(body) > 200
+        self.wfile.write(body[:len(body) // 2] if cut else body)
+        if cut:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_layer_cut_off_mid_pull_is_refused_and_no_partial_file_is_left(registry, keys, tmp_path):
+    meta, blob = base_meta(tmp_path / "a")
+    blob.write_bytes(blob.read_bytes() + bytes(4096))            # big enough to be cut by the proxy
+    meta = BaseMeta(**{**meta.__dict__, "digest": sha256_digest(blob.read_bytes()), "size": blob.stat().st_size})
+    push_base(registry.address, "team/cut", meta, blob, keys["signer"][0])
+    reader = remote(registry.address, "team/cut", public=keys["signer"][1])
+    found = reader.fetch_base(EXPECTED)
+    handler = type("Cut", (CutBlobs,), {"upstream": registry.address})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cut_reader = remote(f"127.0.0.1:{server.server_address[1]}", "team/cut", public=keys["signer"][1])
+        dest = tmp_path / "fetched.tar.gz"
+        assert not cut_reader.fetch_base_layer(found, dest) and not dest.exists()
+    finally:
+        server.shutdown()
+    (line,) = cut_reader.test_log.warnings()
+    assert f"base-{SPEC}" in line and "did not arrive whole" in line and "bootstrapping it here instead" in line
+
+
+# ---- the resolution ------------------------------------------------------------------------
+
+def closure():
+    plan = load_plan(REPO_ROOT / "images" / "smoke")
+    torch = Wheel(name="torch", version=plan.toolchain.torch_version, filename=plan.torch_wheel.filename,
+                  sha256=plan.torch_wheel.sha256, size=123)
+    other = Wheel(name="pyyaml", version="6.0.3", filename="PyYAML-6.0.3-cp311-cp311-manylinux_2_17_x86_64.whl",
+                  sha256="f" * 64, size=456)
+    return plan, (other, torch)
+
+
+def test_a_resolution_round_trips_with_its_wheels_time(registry, keys):
+    plan, wheels = closure()
+    key = hashlib.sha256(b"closure").hexdigest()
+    writer = remote(registry.address, "team/res", sign=keys["signer"][0])
+    writer.queue_resolution(key, wheels, 1700000123)
+    writer.flush()
+    reader = remote(registry.address, "team/res", public=keys["signer"][1])
+    assert reader.fetch_resolution(key, plan) == (wheels, 1700000123)
+    assert reader.resolution_state(key, plan) == "in registry"
+    assert reader.test_log.warnings() == []
+
+
+@pytest.mark.parametrize(("edit", "why"), [
+    (lambda doc: {**doc, "key": "0" * 64}, "is the closure of key"),
+    (lambda doc: {**doc, "wheels": doc["wheels"][:1]}, "edited or truncated"),
+    (lambda doc: {**doc, "wheels_epoch": "yesterday"}, "wheels_epoch is not a time"),
+])
+def test_a_resolution_that_is_not_its_keys_is_refused(registry, keys, edit, why):
+    plan, wheels = closure()
+    key = hashlib.sha256(why.encode()).hexdigest()
+    raw = canonical(edit(json.loads(resolution_bytes(key, wheels, 1700000123))))
+    manifest = wire.build_manifest(wire.RESOLUTION_ARTIFACT, [wire.Descriptor.of(wire.RESOLUTION_MEDIA, raw)])
+    client = CacheRegistry(registry.address, timeout=10)
+    for data in (wire.EMPTY_BLOB, raw):
+        client.push_bytes("team/badres", data)
+    sign_entry(client, "team/badres", f"{registry.address}/team/badres", sha256_digest(manifest), keys["signer"][0])
+    client.put_manifest("team/badres", f"resolution-{key}", manifest)
+    reader = remote(registry.address, "team/badres", public=keys["signer"][1])
+    assert reader.fetch_resolution(key, plan) is None
+    (line,) = reader.test_log.warnings()
+    assert f"resolution-{key}" in line and why in line and "resolving it with pip instead" in line
+
+
+def test_a_resolution_signed_by_another_key_is_refused(registry, keys):
+    plan, wheels = closure()
+    key = hashlib.sha256(b"foreign").hexdigest()
+    foreign = remote(registry.address, "team/foreignres", sign=keys["other"][0])
+    foreign.queue_resolution(key, wheels, 1700000123)
+    foreign.flush()
+    reader = remote(registry.address, "team/foreignres", public=keys["signer"][1])
+    assert reader.fetch_resolution(key, plan) is None
+    (line,) = reader.test_log.warnings()
+    assert f"resolution-{key}" in line and "made by another key" in line
