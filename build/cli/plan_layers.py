@@ -42,8 +42,11 @@ def engine_for_plan():
 
 
 def layer_rows(plan: BuildPlan, cache: CacheLayout, *, engine, engine_problem: str = "",
-               remote_state: Callable[[str], str] | None = None) -> list[dict[str, str | None]]:
-    """One row per layer: {"layer", "key" (None when unknown), "state", "detail"}."""
+               remote_state: Callable[[str], str] | None = None,
+               registry_base: list[str] | None = None) -> list[dict[str, str | None]]:
+    """One row per layer: {"layer", "key" (None when unknown), "state", "detail"}.
+    `registry_base`: the runtime base's diffIDs from its registry entry, used when the engine
+    does not hold the base (a build would not load it either, when its layers are all found)."""
     layers = LayerCache(cache.layers)
 
     def row(layer: str, key: str | None, why: str = "") -> dict[str, str | None]:
@@ -57,6 +60,8 @@ def layer_rows(plan: BuildPlan, cache: CacheLayout, *, engine, engine_problem: s
 
     rows = []
     diff_ids, why = _runtime_base(plan, engine, engine_problem)
+    if diff_ids is None and registry_base:
+        diff_ids, why = registry_base, ""
     base = []
     if diff_ids is None:
         rows.append(row("base", None, why))

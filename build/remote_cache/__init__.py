@@ -92,6 +92,7 @@ class RemoteCache:
         self.already_there: list[str] = []
         self.pending = _Pending()
         self.signed_by = ""
+        self.entry_bytes: dict[str, int] = {}    # for `--plan`: tag -> the bytes of an entry's blobs
         if options.public_key is not None:
             from build import signing  # cryptography only with a key: a bare GPU host (build-here) has none
 
@@ -267,6 +268,7 @@ class RemoteCache:
             layers = self._open(tag, artifact, limits)
             if layers is None:
                 return "miss"
+            self.entry_bytes[tag] = sum(d.size for d in layers.values())
             return found(layers) if found is not None else "hit registry"
         except RegistryError as exc:
             self._lost(exc)
