@@ -19,6 +19,7 @@ from build.oci.venv import LockedWheel, wheels_epoch
 from build.publish.push import push_image
 from build.publish.reference import PushTarget
 from build.remote_cache import RemoteCache
+from build.remote_cache.resolution_entries import resolution_entry_key
 from build.resolve import BuildPlan
 from build.source_date import source_date_epoch
 from build.wheelhouse import Resolution, fill_wheelhouse, wheel_files
@@ -91,14 +92,17 @@ def _build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Eve
                 provider.loaded(stage)
         debs = provider.packages("runtime")   # for the SBOM
     with timer("wheelhouse"):
-        resolution = fill_wheelhouse(plan, cache, log, remote=remote.fetch_resolution if remote else None)
+        entry_key = resolution_entry_key(plan)
+        resolution = fill_wheelhouse(plan, cache, log, remote=(lambda _key, p: remote.fetch_resolution(entry_key, p))
+                                     if remote else None)
         if builder == "dockerfile":
             resolution = wheel_files(resolution, plan, cache, log)
         report.cache["wheelhouse"] = wheelhouse_state(resolution)
     with timer("kernels"):
         provided = kernel_stage.provide_kernels(plan, cache=cache, engine=engine, log=log,
                                                 builder_base=lambda: provider.loaded("builder"),
-                                                remote=remote.fetch_kernel if remote else None)
+                                                remote=remote.fetch_kernel if remote else None,
+                                                defer_pinned=not resolution.files)
         for name, state in provided.states.items():
             report.cache[f"kernel:{name}"] = state
         if remote is not None:     # pushed now: what this build compiled is shared even if a later stage fails
@@ -106,18 +110,24 @@ def _build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Eve
                 remote.queue_kernel(entry)
             remote.flush()
     with timer("render"):
-        pip_wheels = [LockedWheel(w.filename, w.sha256, cache.wheel_path(w.sha256, w.filename))
-                      for w in resolution.wheels]
-        kernel_wheels = [LockedWheel(k.filename, k.sha256, k.path) for k in provided.wheels]
-        locked_wheels = pip_wheels + kernel_wheels
+        pinned = {source.sha256 for source in kernel_stage.pinned_wheels(plan)}
+        # the pip closure and the kernels' pinned wheels (their time travels in the resolution
+        # entry), then the wheels of the kernels built here or fetched from the registry
+        named = [LockedWheel(w.filename, w.sha256, cache.wheel_path(w.sha256, w.filename))
+                 for w in resolution.wheels] + \
+            [LockedWheel(k.filename, k.sha256, k.path) for k in provided.wheels if k.sha256 in pinned]
+        built = [LockedWheel(k.filename, k.sha256, k.path) for k in provided.wheels if k.sha256 not in pinned]
+        locked_wheels = [LockedWheel(w.filename, w.sha256, cache.wheel_path(w.sha256, w.filename))
+                         for w in resolution.wheels] + [LockedWheel(k.filename, k.sha256, k.path)
+                                                        for k in provided.wheels]
         app_epoch = source_date_epoch()
         wheels_time, sbom_epoch = 0, app_epoch
         if builder == "oci":
-            pip_time = wheels_epoch(pip_wheels) if resolution.epoch is None else resolution.epoch
-            wheels_time = max(pip_time, wheels_epoch(kernel_wheels))   # = wheels_epoch(locked_wheels)
+            named_time = wheels_epoch(named) if resolution.epoch is None else resolution.epoch
+            wheels_time = max(named_time, wheels_epoch(built))   # = wheels_epoch(locked_wheels)
             sbom_epoch = lock_epoch(wheels_time, provider.info("runtime"))
             if remote is not None and resolution.source != "registry":
-                remote.queue_resolution(resolution.key, resolution.wheels, pip_time)
+                remote.queue_resolution(entry_key, resolution.wheels, named_time)
         context = render_context(plan, out_dir / "context", wheels=resolution.wheels, cache=cache,
                                  kernel_wheels=provided.wheels,
                                  base_refs={s: b.ref for s, b in bases.items()},
@@ -140,7 +150,7 @@ def _build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Eve
                                               remote=remote.fetch_layer if remote else None,
                                               runtime_base_info=provider.info("runtime"),
                                               load_runtime_base=lambda: provider.loaded("runtime"),
-                                              fetch_wheels=lambda: wheel_files(resolution, plan, cache, log))
+                                              fetch_wheels=lambda: fetch_named_wheels(resolution, plan, cache, log))
             for layer in assembly.layers if remote else ():
                 remote.queue_layer(layer)
             image = assembly.image
@@ -214,6 +224,12 @@ def _classic_build(plan: BuildPlan, engine: Engine, context, labels: dict[str, s
             built = engine.build(context.directory, plan.tag, log=log, labels=labels)
             report.image_id, report.size_bytes = built.id, built.size_bytes
             report.steps = [(step[:80], round(secs, 2)) for step, secs in built.step_seconds]
+
+
+def fetch_named_wheels(resolution: Resolution, plan: BuildPlan, cache: CacheLayout, log: EventLog) -> None:
+    """What a registry resolution left undownloaded, for a stage that needs the files after all."""
+    wheel_files(resolution, plan, cache, log)
+    kernel_stage.fetch_pinned_wheels(plan, cache, log)
 
 
 def wheelhouse_state(resolution: Resolution) -> str:

@@ -14,7 +14,7 @@ from build.base import debs_lock
 from build.base.bootstrap import SPEC_LABEL, base_tag
 from build.cache import CacheLayout
 from build.resolve import BuildPlan, digest
-from build.wheelhouse import cached_resolution, resolution_key
+from build.wheelhouse import cached_resolution
 from contracts.table import render_table
 
 
@@ -55,7 +55,9 @@ def base_row(stage: str, ref, cache: CacheLayout, engine, remote) -> dict:
 def wheelhouse_row(plan: BuildPlan, cache: CacheLayout, remote) -> dict:
     if cached_resolution(plan, cache) is not None:
         return _row("wheelhouse", "local cache", 0)
-    key = resolution_key(plan.python_requirements, plan)
+    from build.remote_cache.resolution_entries import resolution_entry_key
+
+    key = resolution_entry_key(plan)
     if remote is not None and remote.resolution_state(key, plan) == "in registry":
         found = remote.fetch_resolution(key, plan)
         wheel_bytes = sum(w.size or 0 for w in found[0]) if found else None

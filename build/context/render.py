@@ -139,7 +139,8 @@ def _write(plan, directory, wheels, cache, kernel_wheels, base_refs, base_ids, e
         inputs.append({"path": f"wheelhouse/{wheel.filename}", "sha256": wheel.sha256, "kind": "wheel"})
     all_wheels = list(wheels)
     for kw in kernel_wheels:
-        link_or_copy(kw.path, directory / "wheelhouse" / kw.filename)
+        if wheel_files or kw.path.is_file():    # a kernel's pinned wheels stay unfetched with the closure's
+            link_or_copy(kw.path, directory / "wheelhouse" / kw.filename)
         inputs.append({"path": f"wheelhouse/{kw.filename}", "sha256": kw.sha256, "kind": "kernel-wheel",
                        "key": kw.key})
         name, version, _, _ = parse_wheel_filename(kw.filename)

@@ -56,18 +56,23 @@ class ProvidedKernels:
 
 
 def provide_kernels(plan: BuildPlan, *, cache: CacheLayout, engine: Engine, log: EventLog,
-                    builder_base: str | Callable[[], str], remote: RemoteFetch | None = None) -> ProvidedKernels:
-    """`builder_base`: its ref, or what makes it (called only when a kernel must be compiled)."""
+                    builder_base: str | Callable[[], str], remote: RemoteFetch | None = None,
+                    defer_pinned: bool = False) -> ProvidedKernels:
+    """`builder_base`: its ref, or what makes it (called only when a kernel must be compiled).
+    `defer_pinned`: a kernel pinned by its wheels is named, not downloaded (its wheels' time came
+    from the registry's resolution entry); `fetch_pinned_wheels` downloads them if a stage needs them."""
     provided = ProvidedKernels()
     store = KernelStore(cache)
     out: list[KernelWheel] = []
     for kernel in plan.kernels:
         if not built_from_sdist(kernel):
             for source in kernel.sources:
-                path = fetch_pinned(source, cache, log)
+                path = cache.source_path(source.sha256, source.filename) if defer_pinned else \
+                    fetch_pinned(source, cache, log)
                 out.append(KernelWheel(name=kernel.name, key=kernel.key, filename=source.filename,
                                        sha256=source.sha256, path=path))
-            provided.states[kernel.name] = "pinned wheels (nothing to compile)"
+            provided.states[kernel.name] = "pinned wheels (named by the registry's resolution; not downloaded)" \
+                if defer_pinned else "pinned wheels (nothing to compile)"
             continue
         with store.lock(kernel.key):
             state = store.state(kernel.key, unkeyed_inputs(kernel))
@@ -147,6 +152,17 @@ class EvictedKernels(BuildFailure):
                          f"in-image checks and were evicted from the local cache\n{render_rows(rows)}",
                          "build again: they are compiled this time")
         self.names = names
+
+
+def pinned_wheels(plan: BuildPlan) -> tuple:
+    """The wheels of the plan's kernels pinned by their wheels (nothing to build), as pinned."""
+    return tuple(source for kernel in plan.kernels if not built_from_sdist(kernel) for source in kernel.sources)
+
+
+def fetch_pinned_wheels(plan: BuildPlan, cache: CacheLayout, log: EventLog) -> None:
+    """Download what `defer_pinned` left out, each checked against its pinned sha256."""
+    for source in pinned_wheels(plan):
+        fetch_pinned(source, cache, log)
 
 
 def check_image(plan: BuildPlan, *, engine: Engine, image: str, log: EventLog, provided: ProvidedKernels | None = None,

@@ -213,7 +213,8 @@ class RemoteCache:
         self._refuse(base_tag(spec_sha256), why, "bootstrapping it here instead")
 
     def fetch_resolution(self, key: str, plan: BuildPlan) -> tuple[tuple[Wheel, ...], int] | None:
-        """The image's closure and its wheels' newest entry time, from the registry; None: resolve it."""
+        """The image's closure and the newest entry time of its wheels and its pinned kernel wheels,
+        from the registry (`key`: resolution_entry_key(plan)); None: resolve it."""
         return self._read(resolution_tag, key, RESOLUTION_ARTIFACT, RESOLUTION_LIMITS,
                           lambda layers: read_resolution(self.client, self.path, key, plan, layers),
                           "resolving it with pip instead")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 
+from build.kernels import pinned_wheels
 from build.oci.image import canonical
 from build.remote_cache.transport import CacheRegistry
 from build.remote_cache.wire import (
@@ -26,10 +27,18 @@ from build.remote_cache.wire import (
     WireError,
     build_manifest,
 )
-from build.resolve import BuildPlan
-from build.wheelhouse import Wheel, parse_resolution, resolution_record
+from build.resolve import BuildPlan, digest
+from build.wheelhouse import Wheel, parse_resolution, resolution_key, resolution_record
 
 MAX_EPOCH = 1 << 33       # a zip entry's time is before the year 2242
+
+
+def resolution_entry_key(plan: BuildPlan) -> str:
+    """The entry's key: the pip closure's (as the local resolution cache keys it) and the sha256
+    of every kernel wheel the plan pins (a Triton kernel's), whose entry times `wheels_epoch`
+    covers too, so a runner need not download those either."""
+    return digest({"resolution": resolution_key(plan.python_requirements, plan),
+                   "pinned_kernel_wheels": sorted(source.sha256 for source in pinned_wheels(plan))})
 
 
 def resolution_bytes(key: str, wheels: tuple[Wheel, ...], epoch: int) -> bytes:
