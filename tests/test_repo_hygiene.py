@@ -144,7 +144,8 @@ def test_parts_depend_one_way():
 # loss, evaluate, schedule, pid1) sit above all of it. docs/architecture.md holds the same tables.
 BUILD_LAYERS = {
     "audit": {"contracts", "engine", "errors", "families", "oci", "publish", "signing", "spec"},
-    "base": {"cache", "contracts", "engine", "errors", "oci", "proc", "resolve", "source_date", "spec"},
+    "base": {"cache", "context", "contracts", "engine", "errors", "oci", "proc", "remote_cache", "resolve",
+             "source_date", "spec"},
     "cache": {"errors"},
     "context": {"cache", "contracts", "engine", "guard", "resolve", "source_date", "spec", "templating", "wheelhouse"},
     "engine": {"contracts", "errors"},
@@ -154,7 +155,7 @@ BUILD_LAYERS = {
     "oci": {"cache", "context", "contracts", "errors", "guard", "resolve", "source_date"},
     "proc": {"contracts"},
     "publish": {"build_report", "contracts", "engine", "errors", "oci", "resolve", "signing", "source_date", "spec"},
-    "remote_cache": {"audit", "contracts", "kernels", "oci", "publish", "signing"},
+    "remote_cache": {"audit", "context", "contracts", "kernels", "oci", "publish", "resolve", "signing", "wheelhouse"},
     "build_report": set(),
     "resolve": {"contracts", "families", "spec"},
     "signing": {"errors"},
