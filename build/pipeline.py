@@ -117,9 +117,8 @@ def _build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Eve
                  for w in resolution.wheels] + \
             [LockedWheel(k.filename, k.sha256, k.path) for k in provided.wheels if k.sha256 in pinned]
         built = [LockedWheel(k.filename, k.sha256, k.path) for k in provided.wheels if k.sha256 not in pinned]
-        locked_wheels = [LockedWheel(w.filename, w.sha256, cache.wheel_path(w.sha256, w.filename))
-                         for w in resolution.wheels] + [LockedWheel(k.filename, k.sha256, k.path)
-                                                        for k in provided.wheels]
+        locked_wheels = named[:len(resolution.wheels)] + [LockedWheel(k.filename, k.sha256, k.path)
+                                                          for k in provided.wheels]
         app_epoch = source_date_epoch()
         wheels_time, sbom_epoch = 0, app_epoch
         if builder == "oci":
@@ -150,7 +149,8 @@ def _build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Eve
                                               remote=remote.fetch_layer if remote else None,
                                               runtime_base_info=provider.info("runtime"),
                                               load_runtime_base=lambda: provider.loaded("runtime"),
-                                              fetch_wheels=lambda: fetch_named_wheels(resolution, plan, cache, log))
+                                              fetch_wheels=lambda: fetch_named_wheels(resolution, plan, cache, log,
+                                                                                      report))
             for layer in assembly.layers if remote else ():
                 remote.queue_layer(layer)
             image = assembly.image
@@ -226,10 +226,12 @@ def _classic_build(plan: BuildPlan, engine: Engine, context, labels: dict[str, s
             report.steps = [(step[:80], round(secs, 2)) for step, secs in built.step_seconds]
 
 
-def fetch_named_wheels(resolution: Resolution, plan: BuildPlan, cache: CacheLayout, log: EventLog) -> None:
+def fetch_named_wheels(resolution: Resolution, plan: BuildPlan, cache: CacheLayout, log: EventLog,
+                       report: BuildReport) -> None:
     """What a registry resolution left undownloaded, for a stage that needs the files after all."""
-    wheel_files(resolution, plan, cache, log)
+    fetched = wheel_files(resolution, plan, cache, log)
     kernel_stage.fetch_pinned_wheels(plan, cache, log)
+    report.cache["wheelhouse"] = wheelhouse_state(fetched)
 
 
 def wheelhouse_state(resolution: Resolution) -> str:
