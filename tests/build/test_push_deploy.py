@@ -288,6 +288,7 @@ def test_slurm_example_pins_the_digest_and_gates_a_user_trainer(run_cli, pushed_
     assert code == 0, err
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     assert "bash -c" not in script and "sh -c" not in script
+    assert "\n#SBATCH --no-requeue\n" in script      # a node failure ends the job: resubmitting resumes
     # pyxis/enroot spell the registry with '#'
     image = f"--container-image=registry.example.com:5000#team/smoke@{DIGEST}"
 
@@ -429,6 +430,7 @@ def test_slurm_oci_example_runs_the_bundle_with_a_c10d_rendezvous(run_cli, pushe
     assert made["proc"].returncode == 0, made["proc"].stderr
     bundle = shared / "smoke.bundle"
     assert "--signal=TERM@" in script and "bash -c" not in script and "sh -c" not in script
+    assert "\n#SBATCH --no-requeue\n" in script
 
     proc, (verify, finetune) = _run_oci_sbatch(tmp_path, script, bundle)
     assert proc.returncode == 0, proc.stderr

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from entrypoint.checkpoint.dcp import is_complete, list_checkpoints, read_state, step_of
 from tests.conftest import run_build_cli
 from tests.fixtures.chat import write_fixture
 from tests.fixtures.slurm_cluster import SlurmCluster, leftovers, make_root
@@ -377,3 +378,69 @@ def test_a_node_whose_verify_fails_stops_the_job_with_exit_3_before_any_step(clu
     assert not any(f"[{job_id}.1]" in (cluster.log / f"slurmd-{n.name}.log").read_text() for n in cluster.nodes)
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
     assert not clean_nodes(cluster)
+
+
+# ---- (f) a node dies in the middle of the training step, then the same job again ---------------------------
+NODE_FAILED_STEPS = 30      # the resubmission runs to the end: COMPLETED is its own proof of the resume
+
+
+def wait_for_checkpoint(cluster, job_id: int, out: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not list_checkpoints(out / "checkpoints"):
+        state = cluster.job(job_id)["JobState"]
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job {job_id} is {state} before a checkpoint"
+        assert time.monotonic() < deadline, f"job {job_id} wrote no checkpoint within {timeout:.0f} s"
+        time.sleep(0.2)
+
+
+def test_a_node_dying_mid_step_fails_the_job_naming_it_and_the_job_again_resumes(cluster, oci, tiny):
+    """ftn2 dies as a machine does once a checkpoint is on the shared filesystem: its link goes
+    dark, then slurmd, slurmstepd, runc and the rank on it get SIGKILL. ftn1's rank, waiting for
+    ftn2's in a collective, hears nothing. slurmctld finds ftn2 not responding, sets it DOWN and
+    the job NODE_FAIL, and ends ftn1's part. The user must see which node died; the checkpoint
+    must stay valid; the same job, once ftn2 is back, must resume from it."""
+    config, out = job_folder(cluster, oci, tiny, "nodefail", **{"train.max_steps": NODE_FAILED_STEPS,
+                                                                "checkpoint.every": 5, "checkpoint.export": False})
+    failed_id = job_id = submit(cluster, oci, "nodefail", UNSIGNALLED, OUT=str(out), CONFIG=str(config),
+                                FTIMAGE_ALLOW_FALLBACK="1")
+    dead = cluster.nodes[1]         # not the batch host: the script and its srun live on to report it
+    started = time.monotonic()
+    try:
+        wait_for_checkpoint(cluster, job_id, out)
+        killed = cluster.kill_node(dead)
+        # no rank can complete another checkpoint now: each needs ftn2's part
+        saved = list_checkpoints(out / "checkpoints")
+        job = cluster.wait(job_id, JOB_TIMEOUT)
+        down = cluster.run(["scontrol", "-o", "show", "node", dead.name]).stdout
+        print(f"node failure to the job's end: {time.monotonic() - started:.0f} s")
+    finally:
+        cluster.restart_node(dead)
+    log = log_of(oci, "nodefail", job_id)
+    assert any("entrypoint.train" in command for _, command in killed), killed    # a rank died with the node
+    # the script's --no-requeue: the job ends (a site's JobRequeue=1 would put it back in the queue)
+    assert (job["JobState"], job["Requeue"], job["Restarts"]) == ("NODE_FAIL", "0", "0"), (job, excerpt(log))
+    assert "State=DOWN" in down and "Reason=Not responding" in down, down
+    assert f"srun: error: Node failure on {dead.name}" in log, excerpt(log)
+    assert not STOPPED.search(log) and steps_done(out) < NODE_FAILED_STEPS   # no checkpoint claimed at the end
+
+    # the checkpoint written before the node died: complete for both ranks, and valid as resume reads it
+    newest = saved[-1]
+    assert list_checkpoints(out / "checkpoints")[-1] == newest and is_complete(newest, world_size=2)
+    state = read_state(newest)
+    assert state.step == step_of(newest) >= 5
+
+    job_id = submit(cluster, oci, "nodefail", UNSIGNALLED, OUT=str(out), CONFIG=str(config),
+                    FTIMAGE_ALLOW_FALLBACK="1")
+    job = cluster.wait(job_id, JOB_TIMEOUT)
+    log = log_of(oci, "nodefail", job_id)
+    print(f"node failure and the job again: {time.monotonic() - started:.0f} s")
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), excerpt(log)
+    assert f"resumed from {newest} at step {state.step}" in log, excerpt(log)
+    report = json.loads((out / "run_report.json").read_text())
+    assert report["resumed_from"].endswith(newest.name) and report["final_step"] == NODE_FAILED_STEPS
+    assert report["world_size"] == 2 and ran_on_both_nodes(cluster, job_id, 1)
+    # all that is left: the dead node's spooled copy of the killed step's config.json (slurmd keeps
+    # SlurmdSpoolDir across a restart; a site cleans SlurmdSpoolDir/oci-job* at boot)
+    left = clean_nodes(cluster, timeout=10)
+    assert set(left) <= {"spool"} and all(n.startswith(f"oci-job{failed_id:05d}-") for n in left.get("spool", [])), \
+        left
