@@ -1,5 +1,6 @@
 """`python -m build IMAGE_DIR [--plan | --render DIR | --kernels-only | --deploy-example KIND]
-[--push REPOSITORY [--sign KEY]]`: plan, render, build, push and sign one image."""
+[--push REPOSITORY [--sign KEY] [--check-pull containerd]]`: plan, render, build, push, check and sign one
+image."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,7 @@ from build.cli.common import EPILOG, EXIT_OK, add_common_options, open_cache, op
 from build.cli.kernels_only_command import kernels_only
 from build.errors import SigningError
 from build.publish.deploy_examples import TEMPLATES, render_example
+from build.publish.pull_check import pull_check_from_args
 from build.publish.reference import push_target_from_args
 from build.remote_cache.options import add_options as add_remote_options
 from build.remote_cache.options import options_from_args
@@ -36,6 +38,9 @@ def parser() -> argparse.ArgumentParser:
                            "k8s-trainjob, k8s-trainjob-trl (Kubeflow Trainer v2), k8s (legacy PyTorchJob), slurm")
     p.add_argument("--push", metavar="REPOSITORY", help="after the build, push to REGISTRY/REPO (e.g. "
                    "registry.example.com:5000/team/qwen27b) and record the digest")
+    p.add_argument("--check-pull", metavar="containerd[=SOCKET]", help="with --push: pull the pushed digest with "
+                   "containerd (its client `ctr`; SOCKET default /run/containerd/containerd.sock) and fail with its "
+                   "reason if it refuses the image, before the push is recorded or signed")
     p.add_argument("--sign", metavar="KEY", type=Path, help="with --push: sign the pushed digest and attest its "
                    "provenance with this ECDSA P-256 private key (PEM; cosign's format); with --cache-registry: "
                    "sign every entry pushed to the remote cache")
@@ -56,6 +61,9 @@ def main(argv: list[str]) -> int:
     push_target = push_target_from_args(args.push, {"--plan": args.plan, "--render": args.render is not None,
                                                     "--kernels-only": args.kernels_only,
                                                     "--deploy-example": bool(args.deploy_example)})
+    pull_check = pull_check_from_args(args.check_pull, push=push_target is not None)
+    if pull_check is not None:
+        push_target = replace(push_target, pull_check=pull_check)
     remote_options = options_from_args(args)
     if args.sign and push_target is None and remote_options is None:
         raise SigningError("--sign signs what --push pushes (or the remote cache's entries), and there is no "

@@ -23,6 +23,8 @@ commands:
   IMAGE_DIR --push REPOSITORY   build, then push to REGISTRY/REPO and record the digest
   IMAGE_DIR --push REPOSITORY --sign KEY
                                 also push a cosign signature and a SLSA provenance attestation
+  IMAGE_DIR --push REPOSITORY --check-pull containerd[=SOCKET]
+                                first pull the pushed digest with containerd; its refusal fails the push
   verify-reproducible IMAGE_DIR build twice from two fresh clones (fresh caches, another umask, time
                                 zone and host name) and compare image ID, diffIDs and manifest digest
   verify-image REF --key PUB    check an image in a registry: signature, attestation, lock label

@@ -21,6 +21,7 @@ from build import signing
 from build.build_report import REPORT_NAME, BuildReport, PushRecord
 from build.errors import BuildFailure
 from build.publish.attest import Provenance, sign_and_attest
+from build.publish.pull_check import check_pull
 from build.publish.reference import DIGEST, PushTarget
 from build.publish.registry import EnginePushClient, LayoutPushClient, PushClient, Registry, engine_allows_plain_http
 from build.source_date import source_date_epoch
@@ -37,7 +38,8 @@ def push_image(report: BuildReport, target: PushTarget, *, out_dir: Path | None,
                client: PushClient | None = None, sign_key=None) -> PushRecord:
     """Push the image `report` describes to `target`, record the digest in `report.pushed` and, given
     `out_dir`, in its build report (written atomically); return the record. With `sign_key`, also push a
-    cosign signature and a provenance attestation for that digest (attest.py)."""
+    cosign signature and a provenance attestation for that digest (attest.py). With `target.pull_check`,
+    containerd pulls the pushed digest first, and a refusal fails the push (pull_check.py)."""
     if client is None and report.layout:
         client = LayoutPushClient(Path(report.layout), Registry(
             target.registry, plain_http=engine_allows_plain_http(target.registry)), target.path)
@@ -61,6 +63,8 @@ def push_image(report: BuildReport, target: PushTarget, *, out_dir: Path | None,
                            f"check the registry's log, then push again: --push {target.repository}")
     record = PushRecord(repository=target.repository, tag=remote, digest=digest,
                         reference=f"{target.repository}@{digest}")
+    if target.pull_check is not None:   # before the record and the signature: a refused image gets neither
+        check_pull(target.pull_check, target.registry, record.reference, log=log)
     if sign_key is not None:
         record = _sign(record, report, target, sign_key, log)
     report.pushed = record.to_dict()

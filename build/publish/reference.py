@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from build.build_report import REPORT_NAME
 from build.spec.shapes import IMAGE_REF, SHA256
 from contracts.redact import carries_credentials, mask_url
 from contracts.schema import InvalidInput, Problem
+
+if TYPE_CHECKING:
+    from build.publish.pull_check import PullCheck
 
 # Docker's reference grammar (distribution/reference), split so each part can be named in an error.
 PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
@@ -35,6 +39,7 @@ class PushReferenceErrors(InvalidInput):
 class PushTarget:
     registry: str        # host[:port], as dockerd will dial it
     path: str            # the repository inside the registry, e.g. team/qwen27b
+    pull_check: PullCheck | None = None   # --check-pull: pull what was pushed with this runtime first
 
     @property
     def repository(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import yaml
 
 from build.build_report import BuildReport
 from build.errors import BuildFailure
+from build.publish.pull_check import NAMESPACE, pull_check_from_args
 from build.publish.push import push_image
 from build.publish.reference import PushTarget
 from build.resolve import load_plan
@@ -167,6 +169,68 @@ def test_push_errors_arrive_in_the_stream_and_name_the_registry(tmp_path, messag
     assert fix_words in raised.value.fix
     assert client.calls[-1] == ("untag", "127.0.0.1:5000/ftimage/smoke:0123456789ab")
     assert not (tmp_path / "build-report.json").exists()
+
+
+# ---- --check-pull containerd: containerd pulls what was pushed (for real: tests/engine/test_registry.py) ----
+@pytest.fixture
+def containerd(tmp_path, monkeypatch):
+    """A `ctr` stub on PATH (it logs its argv; `images pull` prints CTR_ERROR and exits 1 when that is
+    set) and a socket to name: (the socket's path, the log)."""
+    stubs = tmp_path / "ctr-stub"
+    stubs.mkdir()
+    log = tmp_path / "ctr-calls"
+    (stubs / "ctr").write_text(f"""#!/bin/bash
+echo "$*" >> {log}
+case "$*" in *"images pull"*) [ -n "$CTR_ERROR" ] && {{ printf '%s\\n' "$CTR_ERROR" >&2; exit 1; }} ;; esac
+exit 0
+""")
+    (stubs / "ctr").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{stubs}:{os.environ['PATH']}")
+    monkeypatch.delenv("CTR_ERROR", raising=False)
+    socket_path = tmp_path / "containerd.sock"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(socket_path))
+    return socket_path, log
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--check-pull", "containerd"], "there is no --push"),
+    (["--push", REPOSITORY, "--check-pull", "podman"], "'podman' is not a runtime it can pull with"),
+    (["--push", REPOSITORY, "--check-pull", "containerd=/no/such.sock"], "'/no/such.sock' is not a socket here"),
+])
+def test_check_pull_it_cannot_run_is_exit_2_before_any_build_work(run_cli, containerd, argv, words):
+    code, out, err = run_cli(["images/no-such-image", *argv])      # the spec would fail next
+    assert code == 2 and err.startswith("error: --check-pull has") and words in err and "fix: " in err, err
+    assert "images/no-such-image" not in err and out == ""
+
+
+def test_check_pull_passes_and_removes_what_it_pulled(tmp_path, containerd):
+    socket_path, log = containerd
+    check = pull_check_from_args(f"containerd={socket_path}", push=True)
+    _, record = _push(tmp_path, _streamed_digest(), PushTarget("127.0.0.1:5000", "ftimage/smoke", check))
+    ctr = f"--address {socket_path} --namespace {NAMESPACE}"
+    assert log.read_text().splitlines() == [f"{ctr} images pull --plain-http {record.reference}",
+                                            f"{ctr} images rm {record.reference}"]
+    assert json.loads((tmp_path / "build-report.json").read_text())["pushed"]["digest"] == DIGEST
+
+
+def test_a_manifest_containerd_refuses_fails_the_push_with_its_reason_and_records_nothing(tmp_path, containerd,
+                                                                                       monkeypatch):
+    socket_path, log = containerd
+    monkeypatch.setenv("CTR_ERROR", 'time="2024-01-01T00:00:00Z" level=info msg="fetching"\n'
+                                    "ctr: mismatched image rootfs and manifest layers")
+    target = PushTarget("127.0.0.1:5000", "ftimage/smoke", pull_check_from_args(f"containerd={socket_path}", push=True))
+    with pytest.raises(BuildFailure) as raised:
+        _push(tmp_path, _streamed_digest(), target)
+    assert str(raised.value) == (f"containerd refused to pull 127.0.0.1:5000/ftimage/smoke@{DIGEST}: "
+                                 "mismatched image rootfs and manifest layers")
+    assert "ctr images pull" in raised.value.fix
+    assert "images rm" in log.read_text()                   # nothing left in containerd
+    assert not (tmp_path / "build-report.json").exists()    # a refused image is not recorded (nor signed)
+
+
+def _streamed_digest() -> ScriptedRegistry:
+    return ScriptedRegistry([{"status": "Pushed", "id": "aaa"}, {"aux": {"Tag": "0123456789ab", "Digest": DIGEST}}])
 
 
 # ---- --deploy-example KIND (the Trainer v2 ones: test_trainer_v2.py) -----------------------

@@ -6,13 +6,22 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
+import shutil
 import socket
 import subprocess
+from pathlib import Path
 
 import docker
 import pytest
 import yaml
 
+from build.build_report import BuildReport
+from build.errors import BuildFailure
+from build.oci.image import read_layout
+from build.publish.pull_check import NAMESPACE, PullCheck
+from build.publish.push import push_image
+from build.publish.reference import PushTarget
+from contracts.events import EventLog
 from tests.conftest import run_build_cli
 from tests.fixtures.chat import write_fixture
 from tests.fixtures.containers import CACHE_PROBE, with_test_env
@@ -192,6 +201,45 @@ def test_containerd_runs_a_one_step_finetune_on_a_read_only_root(in_containerd, 
     out = fx.root / "out"
     assert json.loads((out / "run_report.json").read_text())["allow_fallback"] is True
     assert (out / "final" / "model.safetensors").is_file() and "Traceback" not in done.stdout + done.stderr
+
+
+def test_push_with_check_pull_fails_with_containerds_reason_for_a_manifest_it_refuses(in_containerd, pushed,
+                                                                                       registry, tmp_path):
+    """A manifest the registry stores and containerd refuses: the pushed image's own config and
+    blobs, its last layer left out of the manifest while the config still lists that layer's
+    diff_id. The push (from a layout holding that manifest, the build's own push path) with
+    `--check-pull containerd` fails with containerd's reason, and records nothing."""
+    layout = Path(pushed["report"]["layout"])
+    manifest, config, _ = read_layout(layout)
+    broken = json.loads(manifest)
+    broken["layers"].pop()
+    assert len(broken["layers"]) < len(json.loads(config)["rootfs"]["diff_ids"])
+    copy = tmp_path / "broken-layout"
+    blobs = copy / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+    shutil.copy(layout / "oci-layout", copy / "oci-layout")
+    for entry in [broken["config"], *broken["layers"]]:
+        (blobs / entry["digest"][7:]).symlink_to(layout / "blobs" / "sha256" / entry["digest"][7:])
+    data = json.dumps(broken).encode()
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    (blobs / digest[7:]).write_bytes(data)
+    (copy / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": broken["mediaType"], "digest": digest, "size": len(data)}]}))
+    target = PushTarget(registry.address, "ftimage/smoke", PullCheck("containerd", CONTAINERD[2]))
+    report = BuildReport(image="smoke", tag="smoke:not-for-containerd", layout=str(copy))
+    with pytest.raises(BuildFailure) as raised:
+        push_image(report, target, out_dir=tmp_path / "out", log=EventLog(quiet=True))
+    shown = raised.value.render()     # what the CLI prints
+    assert shown.splitlines()[0] == (f"error: containerd refused to pull {pushed['repository']}@{digest}: "
+                                     "mismatched image rootfs and manifest layers"), shown
+    assert "Traceback" not in shown and not (tmp_path / "out" / "build-report.json").exists()
+    # the registry took it: only containerd's pull could tell
+    stored = subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false",
+                             f"docker://{pushed['repository']}@{digest}"], capture_output=True, timeout=300)
+    assert stored.returncode == 0 and stored.stdout == data, stored.stderr[-2000:]
+    left = subprocess.run(["ctr", "--address", CONTAINERD[2], "--namespace", NAMESPACE, "images", "ls", "-q"],
+                          capture_output=True, text=True, timeout=60)
+    assert left.returncode == 0 and f"@{digest}" not in left.stdout, left.stdout + left.stderr
 
 
 def test_skopeo_copies_the_pushed_image_to_a_layout_and_back_with_the_same_digest(pushed, tmp_path):
