@@ -5,8 +5,8 @@ runtime under Kubernetes nodes (CRI), checks much more when it pulls and unpacks
 lists as many layers as the config's rootfs has diff_ids, that each layer unpacks to its diff_id.
 A manifest the registry took and containerd refuses would surface only as a pod that never
 starts. So, asked for it, the push pulls what it pushed through containerd's own client (`ctr`,
-in a namespace of its own, removed afterwards) and fails with containerd's words (exit 1) before
-the push is recorded or signed.
+in a namespace of its own; the image is removed again) and fails with containerd's words (exit 1)
+before the push is recorded or signed.
 
 The check is explicit: a host without `ctr` or the socket is refused before any build work (exit
 2). It pulls anonymously (`ctr` reads no `docker login`): a registry that wants a login is
@@ -89,13 +89,24 @@ def check_pull(check: PullCheck, registry: str, reference: str, *, log: EventLog
     except subprocess.TimeoutExpired:
         raise BuildFailure(f"containerd did not pull {reference} within {timeout:g} s",
                            "check the network between this host and the registry, then push again") from None
+    except OSError as exc:
+        raise BuildFailure(f"could not run containerd's client to pull {reference}: {exc}",
+                           "install containerd's client (ctr), or drop --check-pull") from None
     finally:
-        subprocess.run([*ctr, "images", "rm", reference], capture_output=True, timeout=120)
+        _remove(ctr, reference)
     if done.returncode != 0:
         raise BuildFailure(f"containerd refused to pull {reference}: {containerd_reason(done.stderr)}",
                            "the registry holds an image that containerd (Kubernetes nodes) will not run: build "
                            f"and push again; `ctr images pull {reference}` shows the same")
     log.emit("push", f"containerd pulled and unpacked {reference}")
+
+
+def _remove(ctr: list[str], reference: str) -> None:
+    """Leave nothing of the check in containerd (its content goes at containerd's next collection)."""
+    try:
+        subprocess.run([*ctr, "images", "rm", reference], capture_output=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        pass
 
 
 def containerd_reason(stderr: str) -> str:
