@@ -13,17 +13,19 @@
   runner B  another fresh clone at the same commit, another empty --cache, and the engine
             emptied the same way again: `python -m build IMAGE --cache-registry R/... --cache-key PUB`;
   pull      the floor: the engine emptied again (and of A's pushed image), then
-            `docker pull R/team/NAME@DIGEST`, the manifest digest A's push recorded;
+            `docker pull R/team/NAME@DIGEST`, the manifest digest A's push recorded (a layer
+            that an image this bench does not remove holds, e.g. another build's base on the
+            same Debian, is not downloaded: the table counts such layers);
   BuildKit  Debian's /usr/bin/docker with DOCKER_BUILDKIT=1 (no buildx needed) builds a copy of
             A's rendered context (`OUT-A/context`) whose FROM lines name A's bases, tagged and
             pushed to R/team/ftimage-base/... after A, with `--network none --progress plain
             --build-arg BUILDKIT_INLINE_CACHE=1 --cache-from R/team/NAME-buildkit:TAG`, then pushes
             that tag. Cold: the engine emptied (bases too) and `docker builder prune -af`, so the
             cache-from tag does not exist yet (BuildKit prints `ERROR: ... not found` for it and
-            builds on); warm: emptied and pruned again, the same command,
-            now with the image cold pushed as its cache. Inline cache holds the final stage only
-            (mode=min); the table says whether each run ran the builder stage (a builder step
-            BuildKit did not print CACHED for). Its wall time is the build; the push is noted.
+            builds on); warm: emptied and pruned again, the same command, now with the image
+            cold pushed as its cache. Inline cache holds the final stage only (mode=min); the
+            table says whether each run ran the builder stage (a builder step BuildKit did not
+            print CACHED for). Its wall time is the build; the push is noted.
             `--skip-buildkit` leaves both runs out.
 
 Bytes per runner: from the registry, what docker-registry sent in answer to GET requests during
@@ -209,7 +211,9 @@ def did(phase: Phase) -> str:
     if "steps" in notes:
         return (f"{notes['cached']}/{notes['steps']} steps CACHED, builder stage "
                 f"{'ran' if notes['builder_ran'] else 'CACHED'}; push {notes['push_seconds']} s after")
-    return "docker pull by digest"
+    held = notes.get("layers_already_held", 0)
+    return "docker pull by digest" + (f"; {held} layer(s) not fetched: another image in the engine holds them"
+                                      if held else "")
 
 
 def print_table(phases: list[Phase]) -> None:
