@@ -17,7 +17,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -44,8 +43,10 @@ for _ in $(seq 120); do
     sleep 0.5
 done
 cd {repo}
-DOCKER_HOST=unix://{work}/docker.sock PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 PIP_FIND_LINKS= \\
-    {python} -m build images/kernel-smoke --json --cache {work}/cache-b --out {work}/out-b \\
+export DOCKER_HOST=unix://{work}/docker.sock PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 PIP_FIND_LINKS=
+{python} -m build images/kernel-smoke --plan --cache {work}/cache-b \\
+    --cache-registry {address}/team/ftimage-cache --cache-key {public} > {work}/plan.txt 2> {work}/plan.log
+{python} -m build images/kernel-smoke --json --cache {work}/cache-b --out {work}/out-b \\
     --cache-registry {address}/team/ftimage-cache --cache-key {public} > {work}/b.json 2> {work}/b.log
 status=$?
 kill $dockerd; wait $dockerd
@@ -54,8 +55,9 @@ exit $status
 """
 
 
-def isolated_runner_b(work: Path, storage: Path, public: Path) -> subprocess.CompletedProcess:
-    address = "127.0.0.1:5000"       # the namespace's own loopback: nothing else is listening there
+def isolated_runner_b(work: Path, storage: Path, public: Path, address: str) -> subprocess.CompletedProcess:
+    """`address`: A's registry's; B's serves A's storage at the same address on the namespace's own
+    loopback (the entries' signatures name the repository by it)."""
     config = work / "registry-b.yml"
     config.write_text(yaml.safe_dump({"version": 0.1, "log": {"level": "warn"},
                                       "storage": {"filesystem": {"rootdirectory": str(storage)}},
@@ -73,65 +75,67 @@ def downloaded(cache: Path) -> dict[str, int]:
             for name in ("wheels", "sources", "debs")}
 
 
-def test_a_fresh_runner_in_a_namespace_that_reaches_only_the_registry_builds_the_same_image(kernel_smoke,
-                                                                                            tmp_path):
-    work = tmp_path / "b"
-    work.mkdir()
-    registry = Registry(tmp_path / "registry")
-    private, public = write_p256_pair(tmp_path)
+@pytest.fixture(scope="module")
+def warm_registry(kernel_smoke, tmp_path_factory):
+    """A registry holding everything runner A (the session build, once more) pushed, signed."""
+    root = tmp_path_factory.mktemp("fresh-runner")
+    registry = Registry(root / "registry")
+    private, public = write_p256_pair(root)
     epoch = {"SOURCE_DATE_EPOCH": subprocess.run(["git", "log", "-1", "--format=%ct"], capture_output=True,
                                                  text=True, check=True, cwd=REPO_ROOT).stdout.strip()}
+    pushed = run_build_cli("images/kernel-smoke", "--json", "--out", str(root / "out-a"),
+                           "--cache-registry", f"{registry.address}/team/ftimage-cache", "--sign", str(private),
+                           env=epoch)
     try:
-        pushed = run_build_cli("images/kernel-smoke", "--json", "--out", str(tmp_path / "out-a"),
-                               "--cache-registry", f"{registry.address}/team/ftimage-cache", "--sign", str(private),
-                               env=epoch)
         assert pushed.returncode == 0, pushed.stderr[-4000:]
         a = json.loads(pushed.stdout)
         assert not a["remote_cache"]["refused"] and a["remote_cache"]["pushed"] > 0, a["remote_cache"]
+        yield {"registry": registry, "public": public, "a": a, "storage": root / "registry" / "storage"}
     finally:
         registry.stop()
-    storage = tmp_path / "registry" / "storage"
-    assert (storage / "docker/registry/v2/repositories/team/ftimage-cache").is_dir()
 
-    done = isolated_runner_b(work, storage, public)
+
+@pytest.fixture(scope="module")
+def runner_b(warm_registry, tmp_path_factory):
+    """Runner B in its namespace: its `--plan`, then its build (the work folder holds both)."""
+    work = tmp_path_factory.mktemp("runner-b")
+    done = isolated_runner_b(work, warm_registry["storage"], warm_registry["public"],
+                             warm_registry["registry"].address)
     try:
-        b_log = (work / "b.log").read_text() if (work / "b.log").exists() else ""
-        assert done.returncode == 0, (done.stderr[-2000:], b_log[-6000:],
-                                      (work / "dockerd-b.log").read_text()[-2000:])
-        b = json.loads((work / "b.json").read_text())
-        assert b["image_id"] == a["image_id"] and b["lock_sha256"] == a["lock_sha256"]
-        assert b["manifest_digest"] == a["manifest_digest"]
-        compiled = {name: state for name, state in b["cache"].items()
-                    if name.startswith("kernel:") and not state.startswith("hit registry")}
-        assert compiled == {}, b["cache"]
-        assert b["cache"]["base:builder"].startswith("hit registry (base.json only"), b["cache"]
-        assert b["cache"]["base:runtime"].startswith("hit registry (base.json only"), b["cache"]
-        assert b["cache"]["wheelhouse"].endswith("none downloaded)"), b["cache"]
-        assert all(b["cache"][name] == "hit registry" for name in b["cache"] if name.startswith("layer ")), b["cache"]
-        assert downloaded(work / "cache-b") == {"wheels": 0, "sources": 0, "debs": 0}
-        assert "debootstrap" not in b_log and "WARN" not in b_log, b_log[-3000:]
-        assert not b["remote_cache"]["refused"] and not b["remote_cache"]["unavailable"]
+        yield {"done": done, "work": work}
     finally:
         shutil.rmtree(work / "docker-data", ignore_errors=True)
         shutil.rmtree(work / "docker-exec", ignore_errors=True)
 
 
-def test_the_plan_of_a_fresh_runner_says_per_stage_what_comes_from_the_registry(kernel_smoke, tmp_path):
-    """--plan on an empty cache, against the registry A filled: no engine needed, nothing fetched."""
-    registry = Registry(tmp_path / "registry")
-    private, public = write_p256_pair(tmp_path)
-    try:
-        pushed = run_build_cli("images/kernel-smoke", "--json", "--out", str(tmp_path / "out-a"),
-                               "--cache-registry", f"{registry.address}/team/c", "--sign", str(private))
-        assert pushed.returncode == 0, pushed.stderr[-4000:]
-        plan = run_build_cli("images/kernel-smoke", "--plan", "--cache", str(tmp_path / "cache-b"),
-                             "--cache-registry", f"{registry.address}/team/c", "--cache-key", str(public))
-        assert plan.returncode == 0, plan.stderr[-4000:]
-    finally:
-        registry.stop()
-    text = plan.stdout
-    assert "where each stage's inputs come from on this runner" in text, text
-    for stage in ("base builder", "base runtime", "wheelhouse"):
-        line = next(row for row in text.splitlines() if row.strip().startswith(stage))
-        assert "registry" in line and "MiB" in line, line
-    print(textwrap.indent(text, "  "))
+def test_the_plan_of_a_fresh_runner_says_per_stage_what_comes_from_the_registry(runner_b):
+    """B's `--plan`, run first, on its empty cache and empty engine: every stage from the registry."""
+    text = (runner_b["work"] / "plan.txt").read_text()
+    assert "where each stage's inputs come from on this runner" in text, \
+        (text, (runner_b["work"] / "plan.log").read_text()[-3000:])
+    rows = {line.split("  ")[0].strip(): line for line in text.splitlines()
+            if line.startswith(("base ", "wheelhouse", "kernel ", "layer "))}
+    for stage in ("base builder", "base runtime", "wheelhouse", "kernel causal-conv1d", "kernel flash-attn",
+                  "layer base 1/1", "layer app"):
+        assert stage in rows and " registry " in rows[stage] and "MiB" in rows[stage], (stage, text)
+    assert "0 stage(s) fetch from outside the registry" in text, text
+
+
+def test_a_fresh_runner_in_a_namespace_that_reaches_only_the_registry_builds_the_same_image(warm_registry,
+                                                                                            runner_b):
+    work, done, a = runner_b["work"], runner_b["done"], warm_registry["a"]
+    b_log = (work / "b.log").read_text() if (work / "b.log").exists() else ""
+    assert done.returncode == 0, (done.stderr[-2000:], b_log[-6000:], (work / "dockerd-b.log").read_text()[-2000:])
+    b = json.loads((work / "b.json").read_text())
+    assert b["image_id"] == a["image_id"] and b["lock_sha256"] == a["lock_sha256"]
+    assert b["manifest_digest"] == a["manifest_digest"]
+    compiled = {name: state for name, state in b["cache"].items()
+                if name.startswith("kernel:") and state != "hit registry"}
+    assert compiled == {}, b["cache"]
+    assert b["cache"]["base:builder"].startswith("hit registry (base.json only"), b["cache"]
+    assert b["cache"]["base:runtime"].startswith("hit registry (base.json only"), b["cache"]
+    assert b["cache"]["wheelhouse"].endswith("none downloaded)"), b["cache"]
+    assert all(b["cache"][name] == "hit registry" for name in b["cache"] if name.startswith("layer ")), b["cache"]
+    assert downloaded(work / "cache-b") == {"wheels": 0, "sources": 0, "debs": 0}
+    assert "debootstrap" not in b_log and "WARN" not in b_log, b_log[-3000:]
+    assert not b["remote_cache"]["refused"] and not b["remote_cache"]["unavailable"]
