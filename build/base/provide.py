@@ -86,7 +86,11 @@ class Bases:
         base = self.found[stage]
         if isinstance(base, RegistryBaseImage):
             return inspect_from_config(base.id, json.loads(base.entry.meta.config))
-        return self.engine.image(base.ref) or {}
+        info = self.engine.image(base.ref)
+        if info is None:
+            raise BuildFailure(f"the {stage} base {base.ref} left the engine during this build (removed by "
+                               "another process: a prune, `docker rmi`?)", "build again; it is made again first")
+        return info
 
     def packages(self, stage: str) -> tuple[DebPackage, ...]:
         base = self.found[stage]
