@@ -13,9 +13,11 @@ from contracts.finetune_config import ConfigError
 from entrypoint.data.sources import DataError
 from entrypoint.inputs import InputError, check_remote_code
 from entrypoint.launcher.export_job import prepare_export
+from entrypoint.launcher.job_env import job_env
 from entrypoint.launcher.preflight import FinetuneError, lock_layer, prepare, print_config, resolve_config
 from entrypoint.launcher.supervise import Stops, run_agent, stop_behind
 from entrypoint.observability.console import ALLOW_FALLBACK_ENV, JSON_LOGS_ENV, err, log, truthy
+from verify.scratch import NoScratch, ensure_tempdir
 
 EXIT_USAGE = 2
 
@@ -63,9 +65,10 @@ def export(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = p.parse_intermixed_args(argv)
     try:
+        ensure_tempdir()   # before torch is imported (verify/scratch.py)
         launch = prepare_export(config_file=args.config, overrides=list(args.overrides), checkpoint=args.checkpoint,
                                 env=dict(os.environ), log=log)
-    except (ConfigError, FinetuneError) as exc:
+    except (ConfigError, FinetuneError, NoScratch) as exc:
         err(str(exc), getattr(exc, "fix", ""))
         return EXIT_USAGE
     return run_agent(launch.argv, launch.env, launch.plan.config.output.dir, events=None, log=log)
@@ -100,13 +103,14 @@ def _finetune(argv: list[str], stops) -> int:
         if args.print_config:
             print(print_config(args.config, list(args.overrides), flags))
             return 0
+        ensure_tempdir()   # before torch is imported (verify/scratch.py); TMPDIR, if set, reaches the workers
         allow_fallback = args.allow_fallback or truthy(os.environ.get(ALLOW_FALLBACK_ENV))
         env = dict(os.environ)
         if args.json_logs:
             env[JSON_LOGS_ENV] = "1"   # the workers inherit it
         launch = prepare(config_file=args.config, overrides=list(args.overrides), flags=flags,
                          allow_fallback=allow_fallback, env=env, log=say, events=events)
-    except (ConfigError, FinetuneError) as exc:
+    except (ConfigError, FinetuneError, NoScratch) as exc:
         fail(str(exc), getattr(exc, "fix", ""))
         return getattr(exc, "exit_code", EXIT_USAGE)
     except BaseException as exc:   # a stop, or an error a library's cleanup raised in front of one
@@ -125,6 +129,13 @@ def _finetune(argv: list[str], stops) -> int:
 
 
 def inspect_data(argv: list[str]) -> int:
+    # the job's environment (job_env.py), as finetune builds its corpus in: importing torch asks
+    # tempfile for a folder, and importing torch._dynamo makes inductor's cache folder
+    try:
+        os.environ.update(job_env(os.environ))
+    except NoScratch as exc:
+        err(str(exc), exc.fix)
+        return EXIT_USAGE
     # numpy, torch and the tokenizer for inspect-data only: `finetune` checks its config without them
     from entrypoint.data.corpus_build import resolve_all
     from entrypoint.data.inspect_data import inspect

@@ -6,10 +6,16 @@ own. Docker and Kubernetes still give every container a writable /dev/shm, so ve
 the first writable of TMPDIR, /tmp, /var/tmp and /dev/shm for its temp files, and points
 the JIT caches it may touch (Triton, TorchInductor, XDG) there when theirs are unwritable.
 Nothing here is left behind beyond the container's life: /dev/shm is memory.
+
+The entrypoint's own commands need the same before they import torch: torch imports dill, which
+asks tempfile for a temp dir at import time, and tempfile never tries /dev/shm. So on a read-only
+root with no writable /tmp, `finetune` and `inspect-data` died in `import torch` with a traceback
+(ensure_tempdir).
 """
 from __future__ import annotations
 
 import os
+import pwd
 import stat
 import tempfile
 from pathlib import Path
@@ -24,8 +30,9 @@ CACHE_VARS = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor
 class NoScratch(FixableError):
     def __init__(self, tried: list[str]):
         super().__init__(f"no writable temporary directory (tried {', '.join(tried)})",
-                         "mount a tmpfs at /tmp (docker run --tmpfs /tmp, or an emptyDir in Kubernetes), or set TMPDIR "
-                         "to a writable path")
+                         "mount a tmpfs at /tmp (docker or podman run --tmpfs /tmp:exec: Triton and inductor load "
+                         "what they compile into their caches there; an emptyDir in Kubernetes), or set TMPDIR to a "
+                         "writable path")
 
 
 def _writable(path: str) -> bool:
@@ -80,6 +87,33 @@ def private_scratch(env: os._Environ | dict = os.environ) -> Path:
     raise NoScratch(tried or [str(Path(c)) for c in CANDIDATES])
 
 
+def ensure_tempdir(env: os._Environ | dict = os.environ) -> str:
+    """A temp dir tempfile can use, for a process about to import torch: tempfile's own choice
+    when it finds one, else TMPDIR is pointed at this uid's private scratch (under /dev/shm on
+    `docker run --read-only` with no tmpfs). Raises NoScratch, naming every folder tried, when
+    this uid can write nowhere."""
+    try:
+        return tempfile.gettempdir()   # cached once found: the first caller decides, as in tempfile
+    except FileNotFoundError:   # no writable TMPDIR, /tmp, /var/tmp, /usr/tmp or working directory
+        pass
+    chosen = private_dir(private_scratch(env) / "tmp")
+    env["TMPDIR"] = str(chosen)
+    tempfile.tempdir = None
+    return str(chosen)
+
+
+def home_of(env: os._Environ | dict) -> str | None:
+    """HOME, else the passwd entry's home; None for a uid with neither. Path.home() raises
+    RuntimeError there: a runtime that sets no HOME (`env -u HOME`, an OCI bundle whose
+    config.json has none) for a uid the image's passwd does not know (OpenShift, `--user N`)."""
+    if env.get("HOME"):
+        return env["HOME"]
+    try:
+        return pwd.getpwuid(os.getuid()).pw_dir
+    except KeyError:
+        return None
+
+
 def ensure_scratch(env: os._Environ | dict = os.environ) -> Path:
     """Make TMPDIR and the JIT caches writable; returns the temp dir in use. Raises NoScratch."""
     candidates = [env["TMPDIR"]] if env.get("TMPDIR") else []
@@ -91,10 +125,11 @@ def ensure_scratch(env: os._Environ | dict = os.environ) -> Path:
         env["TMPDIR"] = chosen
     tempfile.tempdir = None          # gettempdir() re-reads TMPDIR on its next call
     base = private_dir(Path(chosen) / f"ftimage-{os.getuid()}")
+    home = home_of(env)
     for var, sub in CACHE_VARS.items():
-        default = str(Path.home() / ".triton" / "cache") if var == "TRITON_CACHE_DIR" else env.get(var)
+        default = str(Path(home) / ".triton" / "cache") if var == "TRITON_CACHE_DIR" and home else None
         if not _usable_dir(env.get(var) or default):
             env[var] = str(base / sub)
-    if not _usable_dir(str(Path.home())):
+    if not _usable_dir(home):
         env["HOME"] = str(base / "home")   # libraries that write under ~ (cache files) find a home
     return Path(chosen)

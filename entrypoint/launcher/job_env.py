@@ -12,6 +12,11 @@ first, so naming the uid there is enough.
 
 Never output.dir: Triton loads the compiled launcher .so files it finds in its cache, so a cache
 on a shared output volume would run whatever someone else put there.
+
+torchrun keeps a folder per run for its workers' error files; without `--log-dir` it makes a new
+`/tmp/torchelastic_*` each run and never removes it. PET_LOG_DIR is that flag as torchrun reads it
+from the environment, so our torchrun and a gated command's both keep it in the private scratch:
+a job writes nothing outside its output folder and this scratch.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from verify.scratch import CACHE_VARS, private_scratch
 # verify's own JIT caches (it makes the same ones writable for itself), and the Hugging Face cache
 CACHES = (*CACHE_VARS.items(), ("HF_HOME", "huggingface"))
 USER_VARS = ("LOGNAME", "USER", "LNAME", "USERNAME")   # what getpass.getuser() reads before passwd
+TORCHRUN_LOG_DIR = "PET_LOG_DIR"                        # torchrun's --log-dir, read from the environment
 
 
 def job_env(env: dict | os._Environ) -> dict[str, str]:
@@ -41,6 +47,8 @@ def job_env(env: dict | os._Environ) -> dict[str, str]:
     for name, sub in CACHES:
         if not writable_or_creatable(env.get(name)):
             out[name] = str(base / sub)
+    if not env.get(TORCHRUN_LOG_DIR):
+        out[TORCHRUN_LOG_DIR] = str(base / "torchelastic")
     prepare_dirs(out)
     if not env.get("HF_DATASETS_OFFLINE"):
         out["HF_DATASETS_OFFLINE"] = "1"   # data comes from mounted files: never wait on a hub

@@ -269,3 +269,26 @@ def test_nodes_probing_one_shared_output_dir_do_not_trip_each_other(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(FinetuneError, match="not writable"):
         check_writable(str(tmp_path / "file" / "out"))
+
+
+@pytest.mark.parametrize("command", [["finetune", "--config", "/nonexistent/finetune.yaml"],
+                                     ["finetune", "export", "--checkpoint", "step-1", "--config", "/x.yaml"],
+                                     ["inspect-data", "--config", "/nonexistent/finetune.yaml"]])
+def test_a_root_with_no_writable_folder_is_a_clear_error_before_torch_is_imported(command, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """`docker run --read-only --ipc none` (no /tmp, no /dev/shm): importing torch asks tempfile for a
+    folder and raised FileNotFoundError with a traceback; now the command names the folders and the fix."""
+    import tempfile
+
+    from entrypoint.cli import main
+    from verify import scratch
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    monkeypatch.setattr(tempfile, "_candidate_tempdir_list", lambda: [str(tmp_path / "read-only-tmp")])
+    monkeypatch.setattr(scratch, "CANDIDATES", (str(tmp_path / "tmp"), str(tmp_path / "shm")))
+    monkeypatch.delenv("TMPDIR", raising=False)
+    monkeypatch.delenv("HOME", raising=False)
+    assert main(command) == 2
+    shown = capsys.readouterr().err
+    assert f"error: no writable temporary directory (tried {tmp_path / 'tmp'}, {tmp_path / 'shm'})" in shown, shown
+    assert "fix: mount a tmpfs at /tmp" in shown and "Traceback" not in shown

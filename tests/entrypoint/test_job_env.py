@@ -46,6 +46,18 @@ def test_home_unset_or_missing_gets_one(tmp_path):
         assert os.path.isdir(added["HOME"]) and added["HOME"].startswith(str(tmp_path))
 
 
+def test_torchruns_log_folder_is_kept_in_the_private_scratch(tmp_path, monkeypatch):
+    """Without --log-dir, torchrun leaves a new /tmp/torchelastic_* behind each run."""
+    from torch.distributed.run import parse_args
+
+    added = job_env({"HOME": "", "TMPDIR": str(tmp_path)})
+    assert added["PET_LOG_DIR"] == str(tmp_path / f"ftimage-{os.getuid()}" / "torchelastic")
+    assert os.path.isdir(added["PET_LOG_DIR"])
+    monkeypatch.setenv("PET_LOG_DIR", added["PET_LOG_DIR"])
+    assert parse_args(["train.py"]).log_dir == added["PET_LOG_DIR"]     # torchrun reads it as --log-dir
+    assert "PET_LOG_DIR" not in job_env({"TMPDIR": str(tmp_path), "PET_LOG_DIR": "/logs/elastic"})
+
+
 def test_a_uid_without_a_passwd_entry_gets_a_user_name_getuser_reads(tmp_path, monkeypatch):
     def unknown(uid):
         raise KeyError(f"getpwuid(): uid not found: {uid}")

@@ -1,6 +1,7 @@
 import base64
 import hashlib
 import importlib.metadata
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -92,6 +93,23 @@ def test_triton_runtime_needs(tmp_path):
     bad = env.decide_triton_runtime(True, None, tmp_path / "missing.h", tmp_path, False)
     assert bad.status is Status.FAIL
     assert "no C compiler" in bad.detail and "missing.h" in bad.detail and "not writable" in bad.detail
+
+
+def test_a_triton_cache_on_a_noexec_mount_fails_with_the_fix(tmp_path, monkeypatch):
+    """docker's and podman's `--tmpfs /tmp` is noexec unless told: the cache is writable, and the
+    launcher Triton compiles into it cannot be loaded."""
+    (tmp_path / "Python.h").write_text("")
+    row = env.decide_triton_runtime(True, "/usr/bin/gcc", tmp_path / "Python.h", tmp_path, True, cache_exec=False)
+    assert row.status is Status.FAIL and f"{tmp_path} is on a noexec mount" in row.detail
+    assert "--tmpfs /tmp:exec" in row.fix
+    assert env._exec_mount(tmp_path / "not" / "yet" / "made")            # its nearest existing parent is asked
+    real = os.statvfs
+
+    class Noexec:
+        f_flag = os.ST_NOEXEC
+
+    monkeypatch.setattr(env.os, "statvfs", lambda path: Noexec() if str(path) == str(tmp_path) else real(path))
+    assert not env._exec_mount(tmp_path)
 
 
 def test_cache_dir_writability_is_measured(tmp_path):

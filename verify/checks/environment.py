@@ -211,7 +211,7 @@ def decide_runtime_constraints(kernels: list[LockedKernel], arch: str | None,
 
 
 def decide_triton_runtime(needed: bool, compiler: str | None, python_h: Path, cache_dir: Path,
-                          cache_writable: bool) -> CheckResult:
+                          cache_writable: bool, cache_exec: bool = True) -> CheckResult:
     row = "environment.triton_runtime"
     if not needed:
         return CheckResult(row, Status.SKIP, "the lock has no triton-kind kernel, so no JIT at run time")
@@ -225,6 +225,10 @@ def decide_triton_runtime(needed: bool, compiler: str | None, python_h: Path, ca
     if not cache_writable:
         missing.append(f"cache dir {cache_dir} not writable")
         fixes.append("set TRITON_CACHE_DIR to a writable path (the image runs as non-root)")
+    elif not cache_exec:
+        missing.append(f"cache dir {cache_dir} is on a noexec mount, so the launcher it compiles there cannot load")
+        fixes.append("mount that folder with exec (docker and podman: --tmpfs /tmp:exec; their default is noexec), "
+                     "or set TRITON_CACHE_DIR to a folder on a mount that allows exec")
     if missing:
         return CheckResult(row, Status.FAIL, "Triton builds a C launcher at first GPU call and will fail: "
                            + "; ".join(missing), "; ".join(fixes))
@@ -233,6 +237,17 @@ def decide_triton_runtime(needed: bool, compiler: str | None, python_h: Path, ca
 
 def triton_cache_dir() -> Path:
     return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def _exec_mount(path: Path) -> bool:
+    """Whether shared objects under `path` can be loaded: Triton dlopens the launcher it compiles
+    into its cache, and a noexec mount refuses that at the first GPU call."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return not os.statvfs(path).f_flag & os.ST_NOEXEC
+    except OSError:
+        return True   # unknown here: the writability check speaks for the folder
 
 
 def _writable(path: Path) -> bool:
@@ -305,7 +320,7 @@ def run(ctx: Context) -> list[CheckResult]:
     needed = any(k.kind == "triton" for k in lock.kernels)
     cache = triton_cache_dir()
     rows.append(decide_triton_runtime(needed, find_compiler(), Path(sysconfig.get_paths()["include"]) / "Python.h",
-                                      cache, _writable(cache) if needed else False))
+                                      cache, _writable(cache) if needed else False, _exec_mount(cache)))
     return rows
 
 
@@ -358,5 +373,5 @@ def without_lock(device_count: int, torch) -> list[CheckResult]:
         return rows
     cache = triton_cache_dir()
     rows.append(decide_triton_runtime(True, find_compiler(), Path(sysconfig.get_paths()["include"]) / "Python.h",
-                                      cache, _writable(cache)))
+                                      cache, _writable(cache), _exec_mount(cache)))
     return rows
