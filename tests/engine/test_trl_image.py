@@ -10,24 +10,13 @@ import shutil
 
 import pytest
 
-from tests.conftest import REPO_ROOT, run_build_cli
+from tests.conftest import REPO_ROOT
 from tests.fixtures.containers import run_in
 
 pytestmark = pytest.mark.engine
 
 GATE = "/opt/ftimage/bin/ftimage-gate"
 PYTHON = "/opt/ftimage/venv/bin/python"
-
-
-@pytest.fixture(scope="module")
-def trl_image(engine, smoke_build, tmp_path_factory):
-    """`python -m build images/smoke-trl`: the smoke image's base and kernels, plus TRL."""
-    out = tmp_path_factory.mktemp("smoke-trl-out")
-    proc = run_build_cli("images/smoke-trl", "--json", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    tag = json.loads(proc.stdout)["tag"]
-    yield tag
-    engine.client.images.remove(tag, force=True)
 
 
 @pytest.fixture(scope="module")
