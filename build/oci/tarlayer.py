@@ -64,7 +64,7 @@ class LayerBlob:
     path: Path
 
 
-class _Digesting:
+class Digesting:
     """A write-only file that hashes what passes through and forwards it."""
 
     def __init__(self, sink):
@@ -102,7 +102,7 @@ class LayerWriter:
         self.path, self.mtime = path, int(mtime)
         threads = thread_count()          # a bad FTIMAGE_GZIP_THREADS fails before any file is made
         self._raw = path.open("wb")
-        self._blob = _Digesting(self._raw)
+        self._blob = Digesting(self._raw)
         # The diffID is hashed on the compressor's ordered thread, beside the CRC, not on this one:
         # this thread's tar writing is what bounds the speed once deflate runs on many cores.
         self._diff = hashlib.sha256()

@@ -30,7 +30,7 @@ from pathlib import Path
 from build.context.dpkg_status import ARCH, NAME, VERSION, DebPackage
 from build.oci.blockgzip import ParallelGzip
 from build.oci.image import canonical, sha256_digest
-from build.oci.tarlayer import GZIP_LEVEL
+from build.oci.tarlayer import GZIP_LEVEL, Digesting
 from build.remote_cache.layer_entries import _DiffId
 from build.remote_cache.transport import CacheRegistry
 from build.remote_cache.wire import (
@@ -180,7 +180,7 @@ def export_base_layer(saved_archive: Path, diff_id: str, dest: Path) -> tuple[st
         source = archive.extractfile(names[0])
         plain = hashlib.sha256()
         with dest.open("wb") as out:
-            digest_sink = _Hashing(out)
+            digest_sink = Digesting(out)
             writer = ParallelGzip(digest_sink, GZIP_LEVEL, observe=plain.update)
             try:
                 while chunk := source.read(1 << 20):
@@ -193,17 +193,4 @@ def export_base_layer(saved_archive: Path, diff_id: str, dest: Path) -> tuple[st
         dest.unlink(missing_ok=True)
         raise ValueError(f"the engine's copy of the base is not the root filesystem {diff_id[:19]} it was made with")
     return "sha256:" + digest_sink.sha.hexdigest(), digest_sink.size
-
-
-class _Hashing:
-    def __init__(self, sink):
-        self.sink, self.sha, self.size = sink, hashlib.sha256(), 0
-
-    def write(self, data) -> int:
-        self.sha.update(data)
-        self.size += len(data)
-        return self.sink.write(data)
-
-    def flush(self) -> None:
-        self.sink.flush()
 
