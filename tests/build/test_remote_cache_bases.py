@@ -232,3 +232,86 @@ def test_a_resolution_signed_by_another_key_is_refused(registry, keys):
     assert found is None
     (line,) = reader.test_log.warnings()
     assert f"resolution-{key}" in line and "made by another key" in line
+
+
+# ---- the bases of a build (build/base/provide.py), with a fake engine ---------------------
+
+def registry_entry_for(ref, folder: Path, *, diff_id: str | None = None) -> tuple[BaseMeta, Path]:
+    """A base entry for the real spec of `ref` (its spec digest, name and deb lock)."""
+    from build.base.provide import expected_base
+
+    expected = expected_base(ref)
+    blob, real = rootfs(folder)
+    diff_id = diff_id or real
+    config = image_config(diff_id, epoch=1752228997, env=["PATH=/usr/bin", "LANG=C.UTF-8"], cmd=["/bin/bash"],
+                          labels={"io.ftimage.base.spec-sha256": expected.spec_sha256,
+                                  "io.ftimage.base.name": expected.name, "io.ftimage.base.rootfs": diff_id},
+                          created_by="ftimage bootstrap-base")
+    from build.context.dpkg_status import DebPackage
+
+    data = blob.read_bytes()
+    return BaseMeta(name=expected.name, spec_sha256=expected.spec_sha256,
+                    debs_lock_sha256=expected.debs_lock_sha256, config=config, diff_id=diff_id,
+                    digest=sha256_digest(data), size=len(data),
+                    packages=(DebPackage("bash", "5.2.15-2+b13", "amd64"),)), blob
+
+
+def test_a_build_reads_a_registry_base_without_loading_it_and_loads_it_only_when_asked(registry, keys, tmp_path,
+                                                                                      monkeypatch):
+    from build.base import provide
+    from build.cache import CacheLayout
+    from contracts.events import EventLog
+    from tests.fakes.engine import FakeEngine
+
+    plan = load_plan(REPO_ROOT / "images" / "smoke")
+    writer = remote(registry.address, "team/provide", sign=keys["signer"][0])
+    metas = {}
+    for stage, ref in (("builder", plan.spec.builder_base), ("runtime", plan.spec.runtime_base)):
+        meta, blob = registry_entry_for(ref, tmp_path / stage)
+        metas[stage] = meta
+        writer.queue_base(meta.spec_sha256, lambda folder, m=meta, b=blob: (m, b))
+    writer.flush()
+    monkeypatch.setattr(provide, "bootstrap", lambda *a, **k: pytest.fail("nothing may be bootstrapped"))
+    monkeypatch.setattr(provide, "ensure_base", lambda *a, **k: pytest.fail("nothing may be bootstrapped"))
+    engine = FakeEngine()
+    reader = remote(registry.address, "team/provide", public=keys["signer"][1])
+    bases = provide.Bases(plan, engine, CacheLayout(tmp_path / "cache"), EventLog(stream=io.StringIO()), reader)
+    found = bases.find()
+    assert {stage: base.id for stage, base in found.items()} == {s: m.image_id for s, m in metas.items()}
+    assert engine.count("load_stream") == 0 and bases.states["runtime"].startswith("hit registry (base.json only")
+    info = bases.info("runtime")
+    assert info["RootFS"]["Layers"] == [metas["runtime"].diff_id] and info["Created"] == "2025-07-11T10:16:37Z"
+    assert bases.packages("runtime")[0].name == "bash"
+
+    ref = bases.loaded("runtime")                   # a stage needs it in the engine
+    assert engine.count("load_stream") == 1 and engine.images[ref]["Id"] == metas["runtime"].image_id
+    assert bases.states["runtime"] == "hit registry (loaded)" and bases.states["builder"].startswith("hit registry")
+    assert reader.test_log.warnings() == []
+
+
+def test_a_registry_base_whose_layer_is_refused_is_bootstrapped_instead(registry, keys, tmp_path, monkeypatch):
+    from build.base import provide
+    from build.base.bootstrap import BaseImage
+    from build.cache import CacheLayout
+    from contracts.events import EventLog
+    from tests.fakes.engine import FakeEngine
+
+    plan = load_plan(REPO_ROOT / "images" / "smoke")
+    ref = plan.spec.runtime_base
+    meta, blob = registry_entry_for(ref, tmp_path / "r", diff_id="sha256:" + "9" * 64)   # not its tar
+    writer = remote(registry.address, "team/refusedbase", sign=keys["signer"][0])
+    writer.queue_base(meta.spec_sha256, lambda folder: (meta, blob))
+    writer.flush()
+    bootstrapped = []
+    monkeypatch.setattr(provide, "bootstrap", lambda base, *a: bootstrapped.append(base.name) or
+                        BaseImage(ref="ftimage-base/x:1", id="sha256:" + "1" * 64, reused=False))
+    monkeypatch.setattr(provide, "ensure_base", lambda *a, **k: BaseImage(ref="b:1", id="sha256:" + "2" * 64,
+                                                                          reused=True))
+    reader = remote(registry.address, "team/refusedbase", public=keys["signer"][1])
+    bases = provide.Bases(plan, FakeEngine(), CacheLayout(tmp_path / "cache"), EventLog(stream=io.StringIO()),
+                          reader)
+    bases.find()
+    assert bases.loaded("runtime") == "ftimage-base/x:1" and bootstrapped == [ref.bootstrap.name]
+    assert bases.states["runtime"].startswith("miss (bootstrapped")
+    (line,) = reader.test_log.warnings()
+    assert f"base-{meta.spec_sha256}" in line and "diffID" in line
