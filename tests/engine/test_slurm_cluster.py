@@ -187,18 +187,23 @@ def ran_on_both_nodes(cluster, job_id: int, step: int) -> bool:
                for node in cluster.nodes)
 
 
+def completed_job(cluster, oci, name: str, out, config) -> tuple[str, str]:
+    """Submit the finetune job `name` and wait for it: it must complete; (its id, its log)."""
+    job_id = submit(cluster, oci, name, UNSIGNALLED, OUT=str(out), CONFIG=str(config), FTIMAGE_ALLOW_FALLBACK="1")
+    job = cluster.wait(job_id, JOB_TIMEOUT)
+    log = log_of(oci, name, job_id)
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), excerpt(log)
+    return job_id, log
+
+
 # ---- (a) finetune on two nodes ---------------------------------------------------------------------
 def test_two_node_finetune_through_slurm_oci(cluster, oci, tiny):
     """finetune in the bundle on both nodes, as the submitting user: the two node agents meet in a
     c10d rendezvous on ftn1 across the nodes' network namespaces, FSDP2 over both ranks."""
     config, out = job_folder(cluster, oci, tiny, "finetune", **{"train.max_steps": 4, "checkpoint.every": 2})
     started = time.monotonic()
-    job_id = submit(cluster, oci, "finetune", UNSIGNALLED, OUT=str(out), CONFIG=str(config),
-                    FTIMAGE_ALLOW_FALLBACK="1")
-    job = cluster.wait(job_id, JOB_TIMEOUT)
-    log = log_of(oci, "finetune", job_id)
+    job_id, log = completed_job(cluster, oci, "finetune", out, config)
     print(f"two-node finetune: {time.monotonic() - started:.0f} s")
-    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), excerpt(log)
     report = json.loads((out / "run_report.json").read_text())
     assert report["status"] == "completed" and report["world_size"] == 2 and report["final_step"] == 4
     topology = report["topology"]
@@ -429,12 +434,8 @@ def test_a_node_dying_mid_step_fails_the_job_naming_it_and_the_job_again_resumes
     state = read_state(newest)
     assert state.step == step_of(newest) >= 5
 
-    job_id = submit(cluster, oci, "nodefail", UNSIGNALLED, OUT=str(out), CONFIG=str(config),
-                    FTIMAGE_ALLOW_FALLBACK="1")
-    job = cluster.wait(job_id, JOB_TIMEOUT)
-    log = log_of(oci, "nodefail", job_id)
+    _, log = completed_job(cluster, oci, "nodefail", out, config)
     print(f"node failure and the job again: {time.monotonic() - started:.0f} s")
-    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), excerpt(log)
     assert f"resumed from {newest} at step {state.step}" in log, excerpt(log)
     report = json.loads((out / "run_report.json").read_text())
     assert report["resumed_from"].endswith(newest.name) and report["final_step"] == NODE_FAILED_STEPS
