@@ -14,6 +14,7 @@ from build.cache import CacheLayout
 from build.context.render import render_context
 from build.engine import Engine, connect
 from build.engine.diskspace import make_room
+from build.oci.layercache import RefusedLayers
 from build.oci.runtime_image import assemble_runtime_image, lock_epoch
 from build.oci.venv import LockedWheel, wheels_epoch
 from build.publish.push import push_image
@@ -65,7 +66,9 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
 
     A kernel wheel fetched from a registry that fails the image's check stage is evicted there
     (and named); the build then runs once more, which compiles it: a build succeeds only with
-    wheels that passed the in-image checks."""
+    wheels that passed the in-image checks. Likewise a fetched layer whose diffID check (run
+    while the engine loaded the image) fails: the image is removed, the entry named, and the
+    build runs once more, assembling that layer here."""
     options = dict(cache=cache, out_dir=out_dir, log=log, engine=engine, force=force, builder=builder,
                    remote=remote, write_report=write_report)
     try:
@@ -73,6 +76,14 @@ def build_image(plan: BuildPlan, *, cache: CacheLayout, out_dir: Path, log: Even
     except kernel_stage.EvictedKernels as exc:
         log.emit("build", f"building again: {', '.join(exc.names)} failed the in-image checks as fetched, and "
                           "are compiled this time")
+        return _build_image(plan, **options)
+    except RefusedLayers as exc:
+        if remote is None:
+            raise
+        for key, why in exc.refused.items():    # named, and not fetched again by this build
+            remote.refuse_layer(key, why)
+        log.emit("build", f"building again: {len(exc.refused)} fetched layer(s) failed their diffID check and were "
+                          "removed; they are assembled here this time")
         return _build_image(plan, **options)
 
 

@@ -17,11 +17,13 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from build.cache import _alive
+from build.errors import BuildFailure
 from build.oci.tarlayer import GZIP_LEVEL, LayerBlob
 from contracts import atomic
 
@@ -69,13 +71,25 @@ def _sha256(path: Path) -> str:
 RemoteFetch = Callable[["LayerCache", str, "dict | None"], "CachedLayer | None"]
 
 
+class RefusedLayers(BuildFailure):
+    """Fetched layers whose check, run while the image was loaded, failed: removed, never published."""
+
+    def __init__(self, refused: dict[str, str]):
+        super().__init__("fetched layer(s) failed their check: " +
+                         "; ".join(f"{key[:12]}: {why}" for key, why in refused.items()),
+                         "build again: they are assembled here this time")
+        self.refused = refused
+
+
 class LayerCache:
     def __init__(self, root: Path, remote: RemoteFetch | None = None):
         """`remote`: asked for a key the local cache lacks (the remote cache, build/remote_cache/);
-        it publishes what it fetched through `staging` and `publish` and returns it, or None."""
+        it publishes what it fetched through `staging` and `publish` (or `defer`) and returns it, or None."""
         self.root = root
         self.remote = remote
         self.damaged: list[str] = []    # keys whose blob no longer matched its digest (removed, rebuilt)
+        self._checks: dict[str, tuple[Future, Path, CachedLayer]] = {}
+        self._checker: ThreadPoolExecutor | None = None
 
     def lookup(self, key: str, *, check_content: bool = True) -> CachedLayer | None:
         """The cached layer for `key`, or None. A hit is trusted by its content, not its size: its
@@ -148,6 +162,31 @@ class LayerCache:
             if self.lookup(key, check_content=False) is None:   # not a concurrent build that published it
                 raise
         return self.lookup(key, check_content=False)
+
+    def defer(self, key: str, staging: Path, layer: CachedLayer, check: Callable[[Path], None]) -> CachedLayer:
+        """A fetched layer whose last check (the diffID: a gunzip of gigabytes) runs in the
+        background while the build goes on and the engine loads the image from `staging`: the
+        layer is published by `settle`, only once `check(blob)` returned, exactly as `publish`
+        would have. Until then the returned layer's path is the staging copy."""
+        if self._checker is None:
+            self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layer-check")
+        self._checks[key] = (self._checker.submit(check, staging / BLOB_NAME), staging, layer)
+        return replace(layer, path=staging / BLOB_NAME)
+
+    def settle(self) -> dict[str, str]:
+        """Wait for every deferred check: publish what passed, remove what failed; returns the
+        failed keys with why (ValueError/OSError of their check)."""
+        checks, self._checks = self._checks, {}
+        refused: dict[str, str] = {}
+        for key, (check, staging, layer) in checks.items():
+            try:
+                check.result()
+                self.publish(key, staging, layer)
+            except (ValueError, OSError) as exc:
+                refused[key] = str(exc)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        return refused
 
     def record_use(self, image: str, keys: list[str]) -> None:
         """Remember which entries the newest build of `image` uses (see prune_unused)."""

@@ -10,7 +10,7 @@ from build.context.render import APP_DIR, GATE, VENV, RenderedContext
 from build.oci import docker_archive
 from build.oci.baselayer import TrainingUser, base_epoch, base_layers
 from build.oci.image import AssembledImage, RuntimeSettings, assemble, file_layer, tree_layer, write_layout
-from build.oci.layercache import CachedLayer, LayerCache, RemoteFetch
+from build.oci.layercache import CachedLayer, LayerCache, RefusedLayers, RemoteFetch
 from build.oci.tarlayer import EXEC_MODE, FILE_MODE
 from build.oci.venv import LockedWheel, capped, venv_layer
 from build.resolve import BuildPlan
@@ -94,15 +94,30 @@ def assemble_runtime_image(plan: BuildPlan, context: RenderedContext, *, wheels:
     base_env = list(((base_info.get("Config") or {}).get("Env")) or [])
     image = assemble(layers, runtime_settings(plan, base_env, labels), app_epoch)
     layout = write_layout(image, out_dir, plan.tag)
-    existing = engine.image(image.image_id)
-    if existing is not None:
-        engine.tag(image.image_id, plan.tag)
-        sent = 0
-    else:
-        _, sent = docker_archive.load(engine, image.config, plan.tag, layers, image.image_id)
+    sent = load_and_settle(engine, image, plan.tag, layers, layers_cache)
+    layers = [layers_cache.lookup(layer.key, check_content=False) or layer for layer in layers]
     log.emit("image", f"image {image.image_id[:19]} ({len(layers)} layers, {sent} sent to the engine), "
              f"manifest {image.manifest_digest[:19]}")
     return Assembly(image=image, layout=layout, layers_sent=sent, states=states, layers=tuple(layers))
+
+
+def load_and_settle(engine, image: AssembledImage, tag: str, layers: list[CachedLayer],
+                    layers_cache: LayerCache) -> int:
+    """Load the image into the engine (or tag it, if the engine has it) while the diffIDs of the
+    layers just fetched are checked, then publish those that passed. One that failed: the image
+    is removed from the engine and RefusedLayers raised (whatever the load did), so no image
+    made from an unchecked layer stays. Returns how many layers were sent."""
+    try:
+        if engine.image(image.image_id) is not None:
+            engine.tag(image.image_id, tag)
+            return 0
+        return docker_archive.load(engine, image.config, tag, layers, image.image_id)[1]
+    finally:
+        refused = layers_cache.settle()
+        if refused:
+            engine.remove(tag)
+            engine.remove(image.image_id)
+            raise RefusedLayers(refused)
 
 
 def layer_state(layer: CachedLayer) -> str:

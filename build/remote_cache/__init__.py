@@ -237,6 +237,10 @@ class RemoteCache:
         return self._state(resolution_tag, key, RESOLUTION_ARTIFACT, RESOLUTION_LIMITS, "it would be resolved",
                            lambda layers: read_resolution(self.client, self.path, key, plan, layers) and "in registry")
 
+    def refuse_layer(self, key: str, why: str) -> None:
+        """A layer this build fetched whose diffID check (run while the image loaded) failed."""
+        self._refuse(layer_tag(key), why, "assembling it here instead")
+
     def kernel_state(self, expected: Expected) -> str:
         """For `--plan`: "in registry, not yet checked (...)" once the entry's signature and its
         meta.json passed what the build checks before downloading the wheel; "miss", or why the

@@ -6,9 +6,12 @@ another repository on the same registry it is mounted instead of sent again; the
 Fetched: layer.json first (small, bounded, every field checked, and its name, created_by and
 mtime compared with what this build makes for that key: they become the image's history, so
 an entry that says otherwise would change the image), then the blob, streamed into a
-LayerCache staging folder and hashed twice on the way: its digest, and the diffID (the sha256
-of the decompressed tar, gunzipped chunk by chunk in bounded memory), both against layer.json.
-Only then does LayerCache.publish rename it into place.
+LayerCache staging folder and hashed on the way (its digest). Its diffID (the sha256 of the
+decompressed tar, gunzipped chunk by chunk in bounded memory) is checked against layer.json
+in the background while the engine loads the image (LayerCache.defer): only once it matches
+does LayerCache.settle publish the entry, and a mismatch removes the image from the engine and
+refuses the entry (build/oci/runtime_image.py). The engine computes the diffIDs of what it
+loads too, and refuses a layer that is not the config's.
 """
 from __future__ import annotations
 
@@ -16,7 +19,6 @@ import hashlib
 import json
 import shutil
 import zlib
-from dataclasses import replace
 from pathlib import Path
 
 from build.oci.layercache import BLOB_NAME, META_NAME, CachedLayer, LayerCache
@@ -101,24 +103,33 @@ def _as_expected(meta: dict, expected: dict | None) -> None:
 
 def fetch_layer(client: CacheRegistry, path: str, key: str, layers: dict[str, Descriptor],
                 cache: LayerCache, expected: dict | None = None) -> CachedLayer:
-    """Download, re-hash and publish one layer; ValueError (WireError) says what the entry gets
-    wrong, and nothing is left in the cache then. `expected`: the name, created_by and mtime
-    this build gives the layer of `key`; layer.json must say the same."""
+    """Download one layer (its digest checked on the way) and hand it to the cache to publish
+    once its diffID is checked too (`LayerCache.defer`; `settle` publishes or refuses it), so
+    the gunzip of the check runs while the engine loads the image, as `docker pull` overlaps its
+    download with its extraction. ValueError (WireError) says what the entry gets wrong before
+    that, and nothing is left in the cache then. `expected`: the name, created_by and mtime this
+    build gives the layer of `key`; layer.json must say the same."""
     blob, meta_blob = layers[LAYER_MEDIA], layers[LAYER_META_MEDIA]
     meta = _layer_meta(client.small_blob(path, meta_blob.digest, MAX_META), blob)
     _as_expected(meta, expected)
     staging = cache.staging()
     try:
-        diff = _DiffId()
-        try:
-            client.download(path, blob.digest, blob.size, staging / BLOB_NAME, feed=diff.feed)
-        except zlib.error:
-            raise WireError("its layer blob is not gzip") from None
-        if diff.digest() != meta["diff_id"]:
-            raise WireError(f"its layer's tar has diffID {diff.digest()[:19]}, layer.json says {meta['diff_id'][:19]}")
-        published = cache.publish(key, staging, CachedLayer(key=key, path=cache.root / key / BLOB_NAME, **meta))
-    finally:
+        client.download(path, blob.digest, blob.size, staging / BLOB_NAME)
+    except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-    if published is None:
-        raise WireError("it vanished from the local cache right after publishing")
-    return replace(published, reused=True, source="registry")
+        raise
+    layer = CachedLayer(key=key, path=cache.root / key / BLOB_NAME, reused=True, source="registry", **meta)
+    return cache.defer(key, staging, layer, lambda blob_path: check_diff_id(blob_path, meta["diff_id"]))
+
+
+def check_diff_id(blob: Path, diff_id: str) -> None:
+    """WireError unless the gzip stream in `blob` is one complete member whose tar is `diff_id`."""
+    diff = _DiffId()
+    try:
+        with blob.open("rb") as fh:
+            while chunk := fh.read(1 << 20):
+                diff.feed(chunk)
+    except zlib.error:
+        raise WireError("its layer blob is not gzip") from None
+    if diff.digest() != diff_id:
+        raise WireError(f"its layer's tar has diffID {diff.digest()[:19]}, layer.json says {diff_id[:19]}")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tarfile
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -415,6 +416,39 @@ def test_a_layer_the_engine_dropped_meanwhile_is_sent_on_retry(tmp_path):
     engine.image = lambda ref: stale if ref == stale["Id"] else FakeEngine.image(engine, ref)
     loaded, sent = docker_archive.load(engine, image.config, "smoke:1", layers, image.image_id)
     assert (loaded, sent) == (image.image_id, 2) and engine.count("load_stream") == 2
+
+
+def test_a_fetched_layer_that_fails_its_check_during_the_load_leaves_no_image_and_no_entry(tmp_path):
+    """The diffID check of a fetched layer runs while the engine loads the image: when it fails,
+    the loaded image is removed and the layer is neither published nor left in staging."""
+    from build.oci.layercache import LayerCache, RefusedLayers
+    from build.oci.runtime_image import load_and_settle
+
+    good, fetched = cached(tmp_path, "base", "b"), cached(tmp_path, "app", "a")
+    cache = LayerCache(tmp_path / "fresh")
+    staging = cache.staging()
+    (staging / "layer.tar.gz").write_bytes(fetched.path.read_bytes())
+
+    def wrong(blob):
+        raise ValueError("its layer's tar has diffID sha256:0000, layer.json says sha256:1111")
+
+    pending = cache.defer(fetched.key, staging, fetched, wrong)
+    image = assemble([good, pending], SETTINGS, EPOCH)
+    engine = FakeEngine()
+    engine.images_with_label = lambda label: []
+    with pytest.raises(RefusedLayers) as refused:
+        load_and_settle(engine, image, "smoke:1", [good, pending], cache)
+    assert list(refused.value.refused) == [fetched.key] and "diffID" in str(refused.value)
+    assert engine.count("load_stream") == 1 and engine.image(image.image_id) is None
+    assert "smoke:1" not in engine.images and cache.lookup(fetched.key) is None
+    assert not list((tmp_path / "fresh").glob(".tmp-*"))
+
+    ok_staging = cache.staging()
+    (ok_staging / "layer.tar.gz").write_bytes(fetched.path.read_bytes())
+    pending = cache.defer(fetched.key, ok_staging, replace(fetched, path=cache.root / fetched.key / "layer.tar.gz"),
+                          lambda blob: None)
+    assert load_and_settle(engine, image, "smoke:1", [good, pending], cache) == 2
+    assert cache.lookup(fetched.key) is not None and engine.images["smoke:1"]["Id"] == image.image_id
 
 
 # ---- verify-reproducible's report ---------------------------------------------------------------

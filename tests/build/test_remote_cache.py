@@ -208,8 +208,30 @@ def test_a_layer_round_trips_rehashed_by_digest_and_diffid(registry, keys, tmp_p
     assert got is not None and got.source == "registry" and layer_state(got) == "hit registry"
     assert (got.diff_id, got.digest, got.size) == (layer.diff_id, layer.digest, layer.size)
     assert got.path.read_bytes() == layer.path.read_bytes()
+    assert fresh.lookup(layer.key) is None      # its diffID is checked in the background first
+    assert fresh.settle() == {}
     assert layer_state(fresh.find(layer.key)) == "hit local"     # now the local cache has it
     assert leftovers(tmp_path / "b") == [] and reader.record()["hits"] == 1
+
+
+def test_a_layer_whose_tar_is_not_its_diff_id_is_never_published(registry, keys, tmp_path):
+    """layer.json names another diffID than its blob's tar (a signed entry can still be wrong):
+    the check that runs while the engine loads the image refuses it, and nothing is published."""
+    from build.remote_cache.layer_entries import layer_manifest
+
+    _, layer = make_layer(tmp_path / "a", b"other tar\n")
+    meta_path = layer.path.parent / "layer.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "diff_id": "sha256:" + "7" * 64}))
+    manifest, blobs = layer_manifest(layer)
+    _push_raw(registry.address, "team/wrongtar", f"layer-{layer.key}", manifest,
+              [layer.path.read_bytes(), blobs[1][1]], keys["signer"][0])
+    reader = remote(registry.address, "team/wrongtar", public=keys["signer"][1])
+    fresh = LayerCache(tmp_path / "b", remote=reader.fetch_layer)
+    assert fresh.find(layer.key) is not None                 # downloaded, its digest checked
+    refused = fresh.settle()
+    assert list(refused) == [layer.key] and "diffID" in refused[layer.key]
+    assert fresh.lookup(layer.key) is None and leftovers(tmp_path / "b") == []
 
 
 def test_a_layer_blob_the_image_push_stored_is_mounted_not_sent_again(registry, keys, tmp_path):
@@ -477,7 +499,8 @@ def test_two_runners_pushing_one_key_at_once_leave_one_valid_signed_entry(regist
     with fresh.lock(first.key):
         got = reader.fetch_kernel(fresh, wanted(first))
     assert got is not None and got.sha256 in (first.sha256, second.sha256)
-    assert reader.fetch_layer(LayerCache(tmp_path / "fl"), layers[0].key) is not None
+    fetched = LayerCache(tmp_path / "fl")
+    assert reader.fetch_layer(fetched, layers[0].key) is not None and fetched.settle() == {}
     assert not reader.test_log.warnings()
     stored = CacheRegistry(registry.address, timeout=10).get_manifest("team/race", f"kernel-{first.key}")
     assert CacheRegistry(registry.address, timeout=10).get_manifest(
