@@ -104,10 +104,12 @@ class RemoteCache:
 
     # ---- what went wrong, once ----------------------------------------------------------------
 
-    def _lost(self, exc: RegistryError) -> None:
+    def _lost(self, exc: RegistryError, tag: str = "") -> None:
+        """`tag`: the entry being read when it happened (a transfer cut off mid-pull is named)."""
         if not self.unavailable:
             self.unavailable = str(exc)
-            self.log.emit("cache", f"WARN: remote cache {self.options.repository} unavailable: {exc}; "
+            during = f" while reading entry {tag}" if tag else ""
+            self.log.emit("cache", f"WARN: remote cache {self.options.repository} unavailable{during}: {exc}; "
                                    "this build goes on without it")
 
     def _refuse(self, tag: str, why: str, doing: str) -> None:
@@ -150,7 +152,7 @@ class RemoteCache:
                 return None
             found = fetch(layers)
         except RegistryError as exc:
-            self._lost(exc)
+            self._lost(exc, tag)
             return None
         except (Untrusted, ValueError, OSError) as exc:
             self._refuse(tag, str(exc), doing)

@@ -263,6 +263,7 @@ def test_a_signature_read_that_breaks_mid_body_makes_the_cache_unavailable_not_a
         assert reader.fetch_kernel(store, wanted(entry)) is None
     (line,) = reader.test_log.warnings()
     assert "unavailable" in line and "IncompleteRead" in line and reader.unavailable
+    assert f"while reading entry kernel-{entry.key}" in line      # the entry cut off mid-pull is named
 
 
 def _signed_kernels(registry, keys, tmp_path, repo):
