@@ -202,11 +202,8 @@ class RemoteCache:
             return False
         try:
             fetch_base_layer(self.client, self.path, found.meta, dest)
-        except RegistryError as exc:    # cut off mid-pull: this entry is named, the registry stays in use
-            self._refuse(tag, f"its layer did not arrive whole ({exc})", "bootstrapping it here instead")
-            return False
-        except (ValueError, OSError) as exc:
-            self._refuse(tag, str(exc), "bootstrapping it here instead")
+        except (RegistryError, ValueError, OSError) as exc:   # cut off mid-pull too: the registry stays in use
+            self._refuse(tag, f"its layer did not arrive whole and checked ({exc})", "bootstrapping it here instead")
             return False
         return True
 
@@ -223,16 +220,11 @@ class RemoteCache:
 
     def base_state(self, expected: ExpectedBase) -> tuple[str, int]:
         """For `--plan`: ("in registry" | "miss ...", the bytes of its layer were it loaded)."""
-        found: list[int] = []
-
-        def checked(layers: dict) -> str:
-            meta = read_base_meta(self.client, self.path, expected, layers)
-            found.append(meta.size)
-            return "in registry"
-
+        metas: list[BaseMeta] = []
         state = self._state(base_tag, expected.spec_sha256, BASE_ARTIFACT, BASE_LIMITS, "it would be bootstrapped",
-                            checked)
-        return state, (found[0] if found else 0)
+                            lambda layers: metas.append(read_base_meta(self.client, self.path, expected, layers))
+                            or "in registry")
+        return state, (metas[0].size if metas else 0)
 
     def resolution_state(self, key: str, plan: BuildPlan) -> str:
         """For `--plan`: "in registry" once resolution.json passed, else "miss ..."."""
