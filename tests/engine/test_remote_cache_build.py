@@ -52,7 +52,8 @@ def test_a_second_runner_with_an_empty_cache_takes_every_layer_from_the_registry
         assert first.returncode == 0, first.stderr[-4000:]
         a = json.loads(first.stdout)
         layers = [name for name in a["cache"] if name.startswith("layer ")]
-        assert layers and a["remote_cache"]["pushed"] == len(layers) and not a["remote_cache"]["refused"]
+        # every layer, and the bases and resolution a fresh runner reads instead of bootstrapping and resolving
+        assert layers and a["remote_cache"]["pushed"] >= len(layers) and not a["remote_cache"]["refused"]
 
         second = run_build_cli("images/smoke", "--json", "--out", str(tmp_path / "out-b"),
                                "--cache", str(fresh_cache(tmp_path / "cache-b")),
@@ -63,7 +64,7 @@ def test_a_second_runner_with_an_empty_cache_takes_every_layer_from_the_registry
         assert b["image_id"] == a["image_id"] and b["diff_ids"] == a["diff_ids"]
         assert b["manifest_digest"] == a["manifest_digest"]
         record = b["remote_cache"]
-        assert record["hits"] == len(layers) and record["trust"].startswith("signed by sha256:")
+        assert record["hits"] >= len(layers) and record["trust"].startswith("signed by sha256:")
         assert record["bytes_pulled"] > 0 and not record["refused"] and not record["unavailable"]
         assert "WARN" not in second.stderr
     finally:
