@@ -42,6 +42,7 @@ from build.remote_cache.wire import (
     Descriptor,
     WireError,
     build_manifest,
+    typed_document,
 )
 
 FIELDS = {"name": str, "spec_sha256": str, "debs_lock_sha256": str, "config": str, "diff_id": str,
@@ -126,16 +127,7 @@ def read_base_meta(client: CacheRegistry, path: str, expected: ExpectedBase,
     """base.json of the entry, checked against this build's base; WireError says what is wrong."""
     blob = layers[BASE_MEDIA]
     raw = client.small_blob(path, layers[BASE_META_MEDIA].digest, MAX_META)
-    try:
-        meta = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise WireError("its base.json is not JSON") from None
-    if not isinstance(meta, dict) or set(meta) != set(FIELDS):
-        raise WireError(f"its base.json has fields {sorted(meta)[:10] if isinstance(meta, dict) else '?'}, "
-                        f"expected {sorted(FIELDS)}")
-    for name, kind in FIELDS.items():
-        if not isinstance(meta[name], kind) or isinstance(meta[name], bool):
-            raise WireError(f"its base.json's {name} is not a {kind.__name__}")
+    meta = typed_document(raw, FIELDS, "base.json")
     if meta["spec_sha256"] != expected.spec_sha256 or meta["name"] != expected.name:
         raise WireError(f"its base.json is the entry of base {meta['name'][:40]!r} spec {meta['spec_sha256'][:12]!r}, "
                         f"not {expected.name} spec {expected.spec_sha256[:12]}")

@@ -16,7 +16,6 @@ loads too, and refuses a layer that is not the config's.
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import zlib
 from pathlib import Path
@@ -32,6 +31,7 @@ from build.remote_cache.wire import (
     Descriptor,
     WireError,
     build_manifest,
+    typed_document,
 )
 
 NAMES = ("base", "venv", "lock", "app")
@@ -47,16 +47,7 @@ def layer_manifest(layer: CachedLayer) -> tuple[bytes, list[tuple[Descriptor, Pa
 
 
 def _layer_meta(raw: bytes, blob: Descriptor) -> dict:
-    try:
-        meta = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise WireError("its layer.json is not JSON") from None
-    if not isinstance(meta, dict) or set(meta) != set(FIELDS):
-        raise WireError(f"its layer.json has fields {sorted(meta)[:8] if isinstance(meta, dict) else '?'}, "
-                        f"expected {sorted(FIELDS)}")
-    for name, kind in FIELDS.items():
-        if not isinstance(meta[name], kind) or isinstance(meta[name], bool):
-            raise WireError(f"its layer.json's {name} is not a {kind.__name__}")
+    meta = typed_document(raw, FIELDS, "layer.json")
     if meta["name"] not in NAMES:
         raise WireError(f"its layer.json names a {meta['name'][:20]!r} layer")
     if not DIGEST.fullmatch(meta["diff_id"]):

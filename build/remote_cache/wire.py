@@ -48,6 +48,22 @@ class Untrusted(Exception):
     checks it; it is defined here so that naming it imports no signing code)."""
 
 
+def typed_document(raw: bytes, fields: dict[str, type], what: str) -> dict:
+    """A small metadata blob (layer.json, base.json) as JSON holding exactly `fields`, each of its
+    type (a bool is not an int); WireError names `what` and the first thing wrong."""
+    try:
+        meta = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise WireError(f"its {what} is not JSON") from None
+    if not isinstance(meta, dict) or set(meta) != set(fields):
+        raise WireError(f"its {what} has fields {sorted(meta)[:10] if isinstance(meta, dict) else '?'}, "
+                        f"expected {sorted(fields)}")
+    for name, kind in fields.items():
+        if not isinstance(meta[name], kind) or isinstance(meta[name], bool):
+            raise WireError(f"its {what}'s {name} is not a {kind.__name__}")
+    return meta
+
+
 def check_key(key: str) -> str:
     """A cache key, refused before any request unless it is exactly 64 lowercase hex (no path,
     no control character, nothing a tag or URL could be bent with)."""
